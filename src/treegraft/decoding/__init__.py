@@ -1,0 +1,15 @@
+"""Decoders: the target-only baseline (`ar`) and, built on the same pieces, the speculative methods."""
+
+from .autoregressive import AutoregressiveDecoder, GenerationResult, PromptError, eos_token_ids, validate_prompt
+from .sampling import SamplingConfig, sample_from_logits, target_distribution
+
+__all__ = [
+    "AutoregressiveDecoder",
+    "GenerationResult",
+    "PromptError",
+    "SamplingConfig",
+    "eos_token_ids",
+    "sample_from_logits",
+    "target_distribution",
+    "validate_prompt",
+]

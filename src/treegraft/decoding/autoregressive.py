@@ -1,0 +1,128 @@
+"""Target-only autoregressive decoding (`ar`): the reference for speed and for output equality."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .sampling import SamplingConfig, sample_from_logits
+
+__all__ = ["GenerationResult", "AutoregressiveDecoder", "eos_token_ids", "validate_prompt", "PromptError"]
+
+
+class PromptError(ValueError):
+    """The prompt cannot be decoded (empty, or too long for the model's context window)."""
+
+
+@dataclass
+class GenerationResult:
+    """What one decode produced and what it cost.
+
+    ``tokens`` are the new tokens only (the prompt excluded). ``stop_reason`` is ``"eos"`` or
+    ``"max_new_tokens"``. ``turns`` holds per-turn records for speculative methods (empty for ``ar``).
+    """
+
+    tokens: list[int]
+    prompt_tokens: int
+    wall_time_s: float
+    prefill_time_s: float
+    stop_reason: str
+    turns: list[dict] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else float("nan")
+
+    def record(self) -> dict:
+        out = asdict(self)
+        out.update(new_tokens=self.new_tokens, tokens_per_s=self.tokens_per_s)
+        return out
+
+
+def eos_token_ids(model: nn.Module, tokenizer=None) -> set[int]:
+    """Every id that ends generation: the generation config's eos ids plus the tokenizer's."""
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for source in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.update([int(source)] if isinstance(source, int) else [int(x) for x in source])
+    return ids
+
+
+def validate_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context_window: int | None) -> None:
+    if len(prompt_ids) == 0:
+        raise PromptError("empty prompt: the prompt must hold at least one token")
+    if max_new_tokens < 1:
+        raise PromptError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if context_window is not None and len(prompt_ids) + max_new_tokens > context_window:
+        raise PromptError(
+            f"prompt of {len(prompt_ids)} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"context window of {context_window} tokens; shorten the prompt or lower max_new_tokens"
+        )
+
+
+def context_window(model: nn.Module) -> int | None:
+    return getattr(model.config, "max_position_embeddings", None)
+
+
+class AutoregressiveDecoder:
+    """Greedy or sampled decoding with the target's KV cache, one forward per token.
+
+    Usage::
+
+        dec = AutoregressiveDecoder(model, eos_ids={tokenizer.eos_token_id})
+        result = dec.generate(prompt_ids, max_new_tokens=256)
+    """
+
+    def __init__(self, model: nn.Module, eos_ids: set[int] | None = None, sampling: SamplingConfig | None = None):
+        self.model = model
+        self.eos_ids = set(eos_ids) if eos_ids is not None else eos_token_ids(model)
+        self.sampling = sampling or SamplingConfig()
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> GenerationResult:
+        from transformers import DynamicCache
+
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.flatten().tolist()
+        prompt_ids = [int(t) for t in prompt_ids]
+        validate_prompt(prompt_ids, max_new_tokens, context_window(self.model))
+        device = next(self.model.parameters()).device
+        generator = None
+        if not self.sampling.greedy:
+            generator = torch.Generator(device=device).manual_seed(self.sampling.seed)
+
+        start = time.perf_counter()
+        cache = DynamicCache(config=self.model.config)
+        input_ids = torch.tensor([prompt_ids], device=device)
+        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        prefill_time = time.perf_counter() - start
+        tokens: list[int] = []
+        stop_reason = "max_new_tokens"
+        while True:
+            token = sample_from_logits(out.logits[0, -1], self.sampling, generator)
+            tokens.append(token)
+            if token in self.eos_ids:
+                stop_reason = "eos"
+                break
+            if len(tokens) >= max_new_tokens:
+                break
+            out = self.model(
+                input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True
+            )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+        return GenerationResult(
+            tokens=tokens, prompt_tokens=len(prompt_ids), wall_time_s=wall, prefill_time_s=prefill_time,
+            stop_reason=stop_reason,
+        )

@@ -1,0 +1,82 @@
+"""Generate text for one prompt with one method; prints the text to stdout, stats to stderr.
+
+Run:
+    python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=ar \
+        prompt="Write a Python function that checks whether a number is prime." max_new_tokens=128
+    python -m treegraft.generate pair=smollm2-135m__self prompt_file=my_prompt.txt dtype=bfloat16
+    python -m treegraft.generate pair=tiny-random chat_template=false prompt="hello" temperature=0.8 seed=3
+
+Only the generated text goes to stdout, so two methods' outputs can be compared with `diff`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from .config import CONF_DIR
+
+
+def read_prompt(cfg: DictConfig) -> str:
+    if (cfg.prompt is None) == (cfg.prompt_file is None):
+        raise ValueError("give exactly one of prompt=... or prompt_file=<path>")
+    if cfg.prompt_file is not None:
+        path = Path(cfg.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt_file {str(path)!r} does not exist")
+        return path.read_text()
+    return str(cfg.prompt)
+
+
+def run(cfg: DictConfig) -> int:
+    import torch
+
+    from .data import format_prompt
+    from .decoding import AutoregressiveDecoder, SamplingConfig, eos_token_ids
+    from .models import load_pair
+
+    text = read_prompt(cfg)
+    if not text.strip():
+        raise ValueError("empty prompt: give a non-empty prompt or prompt_file")
+    pair_spec = instantiate(cfg.pair)
+    pair = load_pair(pair_spec, dtype=cfg.dtype, device=cfg.device, models_dir=cfg.paths.models_dir)
+    tokenizer = pair.tokenizer
+    prompt = format_prompt(tokenizer, text) if cfg.chat_template else text
+    prompt_ids = tokenizer(prompt, add_special_tokens=not cfg.chat_template).input_ids
+    sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+
+    method = cfg.method.name
+    if method == "ar":
+        decoder = AutoregressiveDecoder(pair.target, eos_token_ids(pair.target, tokenizer), sampling)
+    else:
+        raise ValueError(f"unknown method {method!r}; expected one of: ar")
+    result = decoder.generate(prompt_ids, cfg.max_new_tokens)
+    sys.stdout.write(tokenizer.decode(result.tokens, skip_special_tokens=True))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    stats = (
+        f"[{method}] pair={pair_spec.name} new_tokens={result.new_tokens} prompt_tokens={result.prompt_tokens} "
+        f"time={result.wall_time_s:.2f}s tokens/s={result.tokens_per_s:.2f} stop={result.stop_reason} dtype={cfg.dtype}"
+    )
+    print(stats, file=sys.stderr)
+    return 0
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
+def main(cfg: DictConfig) -> None:
+    from .models import ModelLoadError, TokenizerMismatchError
+
+    try:
+        run(cfg)
+    except (ModelLoadError, TokenizerMismatchError, ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+"""Model loading: embedded GGUF models, hub/local models, tiny random models, self-draft pairs."""
+
+from .embedded import DEFAULT_MODELS, EMBEDDED_MODELS, EmbeddedModel, prepare_embedded_model
+from .loading import (
+    LoadedPair,
+    ModelLoadError,
+    PairSpec,
+    TokenizerMismatchError,
+    check_same_vocabulary,
+    load_model,
+    load_pair,
+    load_tokenizer,
+    make_self_draft,
+    resolve_dtype,
+)
+from .tiny import build_tiny_model, build_tiny_tokenizer
+
+__all__ = [
+    "DEFAULT_MODELS",
+    "EMBEDDED_MODELS",
+    "EmbeddedModel",
+    "LoadedPair",
+    "ModelLoadError",
+    "PairSpec",
+    "TokenizerMismatchError",
+    "build_tiny_model",
+    "build_tiny_tokenizer",
+    "check_same_vocabulary",
+    "load_model",
+    "load_pair",
+    "load_tokenizer",
+    "make_self_draft",
+    "prepare_embedded_model",
+    "resolve_dtype",
+]

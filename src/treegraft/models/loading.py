@@ -1,0 +1,217 @@
+"""Loading target/middle model pairs.
+
+One entry point, :func:`load_model`, takes any of
+
+* ``embedded:<name>``: a model converted by ``make models`` into ``<models_dir>/<name>``;
+* a local folder holding a Hugging Face model;
+* a hub id such as ``Qwen/Qwen3-32B`` (the same ``from_pretrained`` call a GPU user makes);
+* ``tiny-random:<seed>``: a tiny randomly initialised Llama built from a config (unit tests).
+
+A pair (:class:`PairSpec`) is a target plus a middle drafter that is either another model or a
+*self-draft*: the target's first ``k`` decoder layers with the target's own embeddings, final norm
+and LM head, sharing the target's weights (no copy).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..paths import default_models_dir
+from .embedded import EMBEDDED_MODELS, is_converted
+from .tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer
+
+__all__ = [
+    "PairSpec",
+    "LoadedPair",
+    "ModelLoadError",
+    "TokenizerMismatchError",
+    "resolve_dtype",
+    "resolve_source",
+    "load_model",
+    "load_tokenizer",
+    "load_pair",
+    "make_self_draft",
+    "check_same_vocabulary",
+]
+
+EMBEDDED_PREFIX = "embedded:"
+
+
+class ModelLoadError(RuntimeError):
+    """A model or tokenizer could not be found or loaded; the message says what to do."""
+
+
+class TokenizerMismatchError(ValueError):
+    """Target and middle drafter do not share one vocabulary."""
+
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[str(dtype)]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of float32, bfloat16, float16") from None
+
+
+@dataclass
+class PairSpec:
+    """A target model and its middle drafter.
+
+    ``middle`` is a model source (same forms as :func:`load_model`), or ``None`` for a self-draft
+    pair, in which case ``self_draft_layers`` says how many of the target's layers the drafter runs.
+    """
+
+    name: str
+    target: str
+    middle: str | None = None
+    self_draft_layers: int | None = None
+    description: str = ""
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if (self.middle is None) == (self.self_draft_layers is None):
+            raise ValueError(
+                f"pair {self.name!r}: give exactly one of middle (a model) or self_draft_layers (an int), "
+                f"got middle={self.middle!r}, self_draft_layers={self.self_draft_layers!r}"
+            )
+        if self.self_draft_layers is not None and int(self.self_draft_layers) < 1:
+            raise ValueError(f"pair {self.name!r}: self_draft_layers must be >= 1, got {self.self_draft_layers}")
+
+
+@dataclass
+class LoadedPair:
+    spec: PairSpec
+    target: nn.Module
+    middle: nn.Module
+    tokenizer: Any
+
+
+def resolve_source(source: str, models_dir: str | os.PathLike | None = None) -> str:
+    """Turn ``embedded:<name>`` into its converted folder (or fail with the command to run)."""
+    if not source.startswith(EMBEDDED_PREFIX):
+        return source
+    name = source[len(EMBEDDED_PREFIX):]
+    if name not in EMBEDDED_MODELS:
+        raise ModelLoadError(f"unknown embedded model {name!r}; expected one of {sorted(EMBEDDED_MODELS)}")
+    folder = Path(models_dir or default_models_dir()) / name
+    if not is_converted(folder, EMBEDDED_MODELS[name]):
+        hint = "make models" if name != "gemma3-270m" else "make models MODELS=all"
+        raise ModelLoadError(f"embedded model {name} not converted: run `{hint}` (looked in {folder})")
+    return str(folder)
+
+
+def load_tokenizer(source: str, models_dir: str | os.PathLike | None = None):
+    from transformers import AutoTokenizer
+
+    if source.startswith(TINY_PREFIX):
+        return build_tiny_tokenizer()
+    path = resolve_source(source, models_dir)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load tokenizer {source!r}: {str(err).splitlines()[0]}") from err
+
+
+def load_model(
+    source: str,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    models_dir: str | os.PathLike | None = None,
+) -> nn.Module:
+    """A causal LM in eval mode on ``device`` with ``dtype``."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = resolve_dtype(dtype)
+    if source.startswith(TINY_PREFIX):
+        model = build_tiny_model(int(source[len(TINY_PREFIX):] or 0)).to(torch_dtype)
+    else:
+        path = resolve_source(source, models_dir)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        except (OSError, ValueError) as err:
+            raise ModelLoadError(
+                f"cannot load model {source!r}: {str(err).splitlines()[0]} "
+                "(expected an embedded:<name>, a local Hugging Face folder or a hub id reachable from here)"
+            ) from err
+    return model.to(device).eval()
+
+
+def make_self_draft(target: nn.Module, num_layers: int) -> nn.Module:
+    """A causal LM that runs the target's first ``num_layers`` decoder layers, sharing every weight.
+
+    The drafter is a model of the target's own class whose config has ``num_layers`` layers; its
+    embedding, layers, final norm, rotary embedding and LM head *are* the target's modules, so it
+    costs no memory and follows the target's dtype and device. It keeps its own KV cache (layer
+    indices 0..k-1), so it can be used exactly like an independent middle drafter.
+    """
+    base = target.base_model
+    total = len(base.layers)
+    if not 1 <= num_layers <= total:
+        raise ValueError(f"self_draft_layers must be in 1..{total} for this target, got {num_layers}")
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = num_layers
+    if getattr(config, "layer_types", None) is not None:
+        config.layer_types = list(config.layer_types[:num_layers])
+    with torch.device("meta"):
+        draft = type(target)(config)
+    draft_base = draft.base_model
+    for name, module in base.named_children():
+        if name == "layers":
+            draft_base.layers = nn.ModuleList(list(base.layers[:num_layers]))
+        else:
+            setattr(draft_base, name, module)
+    draft.lm_head = target.lm_head
+    leftover = [n for n, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
+    if leftover:
+        raise RuntimeError(f"self-draft of {type(target).__name__} left modules unshared: {leftover[:3]}")
+    draft.generation_config = copy.deepcopy(target.generation_config)
+    return draft.eval()
+
+
+def check_same_vocabulary(target_tokenizer, middle_tokenizer, target_name: str, middle_name: str) -> None:
+    """Raise :class:`TokenizerMismatchError` unless both tokenizers map every token to the same id."""
+    tv, mv = target_tokenizer.get_vocab(), middle_tokenizer.get_vocab()
+    if tv != mv:
+        only_t = len(set(tv) - set(mv))
+        only_m = len(set(mv) - set(tv))
+        moved = sum(1 for t in set(tv) & set(mv) if tv[t] != mv[t])
+        raise TokenizerMismatchError(
+            f"tokenizer mismatch: target {target_name} ({len(tv)} tokens) and middle {middle_name} ({len(mv)} tokens) "
+            f"differ ({only_t} only in target, {only_m} only in middle, {moved} with other ids); "
+            "the middle drafter must share the target's tokenizer"
+        )
+
+
+def load_pair(
+    spec: PairSpec,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    models_dir: str | os.PathLike | None = None,
+) -> LoadedPair:
+    """Load target, middle drafter and the shared tokenizer, checking the vocabularies match."""
+    tokenizer = load_tokenizer(spec.target, models_dir)
+    target = load_model(spec.target, dtype, device, models_dir)
+    if spec.self_draft_layers is not None:
+        middle = make_self_draft(target, int(spec.self_draft_layers))
+    else:
+        check_same_vocabulary(tokenizer, load_tokenizer(spec.middle, models_dir), spec.target, spec.middle)
+        middle = load_model(spec.middle, dtype, device, models_dir)
+    t_vocab = target.get_output_embeddings().weight.shape[0]
+    m_vocab = middle.get_output_embeddings().weight.shape[0]
+    if t_vocab != m_vocab:
+        raise TokenizerMismatchError(
+            f"tokenizer mismatch: target {spec.target} has {t_vocab} output logits, middle {spec.middle} has {m_vocab}"
+        )
+    return LoadedPair(spec=spec, target=target, middle=middle, tokenizer=tokenizer)

@@ -1,0 +1,57 @@
+"""Every config group composes and every `_target_` instantiates (lightning-hydra-template style)."""
+
+from __future__ import annotations
+
+import pytest
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from treegraft.config import CONF_DIR
+from treegraft.data import BenchmarkConfig
+from treegraft.models import PairSpec
+
+from .conftest import compose
+
+GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
+
+
+DEFAULT_GROUPS = {"pair", "method", "paths"}
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def test_expected_groups_exist():
+    assert {"pair", "data", "method", "paths"} <= set(GROUPS)
+    assert len(options("data")) == 6
+    assert {"qwen-coder-1.5b__0.5b", "tiny-random", "smollm2-135m__self", "qwen-coder-1.5b__self",
+            "qwen-coder-0.5b__self", "gemma3-270m__self", "qwen3-32b__0.6b"} <= set(options("pair"))
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
+def test_group_option_composes_and_instantiates(group, option):
+    prefix = "" if group in DEFAULT_GROUPS else "+"  # groups the primary config does not list are appended
+    cfg = compose("generate", [f"{prefix}{group}={option}"])
+    node = cfg[group]
+    resolved = OmegaConf.to_container(node, resolve=True)  # every interpolation resolves
+    assert resolved
+    if "_target_" in node:
+        obj = instantiate(node)
+        expected = {"pair": PairSpec, "data": BenchmarkConfig}.get(group)
+        if expected is not None:
+            assert isinstance(obj, expected)
+        if group == "pair":
+            assert obj.name == option
+
+
+def test_default_generate_config(cfg_generate):
+    assert cfg_generate.method.name == "ar"
+    assert cfg_generate.pair.name == "tiny-random"
+    assert cfg_generate.temperature == 0.0
+
+
+def test_benchmarks_dir_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("TREEGRAFT_BENCHMARKS", str(tmp_path))
+    cfg = compose("generate", ["+data=gsm8k"])
+    assert instantiate(cfg.data).benchmarks_dir == str(tmp_path)

@@ -1,0 +1,53 @@
+"""`python -m treegraft.generate`: text on stdout, one stats line on stderr, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from treegraft.decoding import AutoregressiveDecoder
+from treegraft.models import build_tiny_model, build_tiny_tokenizer
+
+from .conftest import REPO_ROOT
+
+
+def run_generate(*overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "treegraft.generate", *overrides],
+        capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, timeout=300,
+    )
+
+
+def test_generate_prints_text_and_stats_line():
+    proc = run_generate("pair=tiny-random", "chat_template=false", "prompt=hello world again", "max_new_tokens=16")
+    assert proc.returncode == 0, proc.stderr
+    tok = build_tiny_tokenizer()
+    expected = AutoregressiveDecoder(build_tiny_model(0), {2}).generate(tok("hello world again").input_ids, 16)
+    assert proc.stdout == tok.decode(expected.tokens, skip_special_tokens=True) + "\n"
+    stats = [line for line in proc.stderr.splitlines() if line.startswith("[ar]")]
+    assert len(stats) == 1 and "new_tokens=" in stats[0] and "tokens/s=" in stats[0]
+
+
+def test_generate_reads_prompt_file_with_any_characters(tmp_path):
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("x = {'a': [1, 2]}  # = , ' \" $ \\")
+    proc = run_generate("pair=tiny-random", "chat_template=false", f"prompt_file={prompt}", "max_new_tokens=4",
+                        "temperature=0.7", "seed=3", "dtype=bfloat16")
+    assert proc.returncode == 0, proc.stderr
+    assert "new_tokens=4" in proc.stderr
+
+
+def test_generate_missing_embedded_model_is_one_line(tmp_path):
+    proc = run_generate("pair=qwen-coder-1.5b__0.5b", "prompt=hi", env={"TREEGRAFT_MODELS": str(tmp_path)})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"error: embedded model qwen-coder-1.5b not converted: run `make models` (looked in {tmp_path}/qwen-coder-1.5b)"
+    ]
+
+
+def test_generate_empty_prompt_is_an_error():
+    proc = run_generate("pair=tiny-random", "prompt=' '")
+    assert proc.returncode == 2 and "empty prompt" in proc.stderr
