@@ -2,12 +2,16 @@
 
 from .autoregressive import AutoregressiveDecoder, GenerationResult, PromptError, eos_token_ids, validate_prompt
 from .sampling import SamplingConfig, sample_from_logits, target_distribution
+from .tree_decoder import METHOD_SCHEDULES, TreeConfig, TreeGraftDecoder
 
 __all__ = [
     "AutoregressiveDecoder",
     "GenerationResult",
     "PromptError",
+    "METHOD_SCHEDULES",
     "SamplingConfig",
+    "TreeConfig",
+    "TreeGraftDecoder",
     "eos_token_ids",
     "sample_from_logits",
     "target_distribution",

@@ -1,0 +1,143 @@
+"""The middle drafter: a causal LM with its own KV cache over the context and the draft tree.
+
+SPEC 4.2. The drafter's cache holds the committed context (it may lag behind: tokens emitted
+while it was not called are *pending* and are encoded, as a causal chain, at the start of its next
+call), then one slot per tree node it encoded this turn. A call encodes only the requested nodes
+it has not encoded yet (and their unencoded ancestors), with tree attention: a node attends to the
+context, the pending chain, and its ancestors' slots. After verification :meth:`commit` keeps the
+slots of the accepted path that were encoded (a prefix of it) and queues the rest as pending, so
+the cache never holds a rejected token.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from ..model_io import cache_length, forward_hidden, keep_cache_positions, lm_logits, new_cache
+from ..tree import DraftTree
+
+__all__ = ["MiddleDrafter"]
+
+
+class MiddleDrafter:
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.cache = None
+        self.committed = 0  # cached context positions (before any tree slot)
+        self.pending: list[int] = []  # context tokens not yet in the cache
+        self.slot_of: dict[int, int] = {}  # tree node id -> cache position, this turn
+        self.logprobs: dict[int, torch.Tensor] = {}  # node id -> log q_m(. | node) [V], this turn
+        self.hidden: dict[int, torch.Tensor] = {}  # node id -> final hidden state [H], this turn
+        self.calls = 0
+        self.forward_s = 0.0
+
+    def reset(self, prompt_ids: list[int]) -> None:
+        """Encode the prompt except its last token (which is the first turn's root)."""
+        self.cache = new_cache()
+        self.committed = 0
+        self.pending = list(prompt_ids[:-1])
+        self.slot_of, self.logprobs, self.hidden = {}, {}, {}
+        if self.pending:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                toks = torch.tensor(self.pending, device=self.device)
+                forward_hidden(self.model, self.cache, toks, torch.arange(len(toks), device=self.device), None)
+            self.forward_s += time.perf_counter() - start
+            self.committed, self.pending = len(self.pending), []
+
+    def start_turn(self) -> None:
+        self.slot_of, self.logprobs, self.hidden = {}, {}, {}
+
+    @property
+    def context_len(self) -> int:
+        """Length of the context (committed + pending): the position of the current root."""
+        return self.committed + len(self.pending)
+
+    @torch.inference_mode()
+    def encode(self, tree: DraftTree, nodes: list[int], need_logprobs: list[int] | None = None) -> None:
+        """Encode ``nodes`` (and unencoded ancestors) into the cache; fill ``self.logprobs`` for ``need_logprobs``.
+
+        ``need_logprobs`` defaults to ``nodes``. Log-probabilities are float32 log-softmax rows.
+        """
+        need = list(nodes if need_logprobs is None else need_logprobs)
+        todo: set[int] = set()
+        for node in nodes:
+            n = node
+            while n >= 0 and n not in self.slot_of and n not in todo:
+                todo.add(n)
+                n = tree.parent[n]
+        new_nodes = sorted(todo)  # id order = parents first
+        start = time.perf_counter()
+        if new_nodes or self.pending:
+            self._forward(tree, new_nodes)
+            self.calls += 1
+        missing = [n for n in need if n not in self.logprobs]
+        if missing:
+            rows = self._hidden_rows(missing)
+            logp = torch.log_softmax(lm_logits(self.model, rows), dim=-1)
+            for i, node in enumerate(missing):
+                self.logprobs[node] = logp[i]
+        self.forward_s += time.perf_counter() - start
+
+    def _forward(self, tree: DraftTree, new_nodes: list[int]) -> None:
+        device = self.device
+        past = cache_length(self.cache)
+        ctx = self.context_len
+        p = len(self.pending)
+        q = p + len(new_nodes)
+        tokens = torch.tensor(self.pending + [tree.token[n] for n in new_nodes], dtype=torch.long)
+        positions = torch.tensor(
+            list(range(self.committed, ctx)) + [ctx + tree.depth[n] for n in new_nodes], dtype=torch.long
+        )
+        allowed = torch.zeros(q, past + q, dtype=torch.bool)
+        allowed[:, : self.committed] = True  # the committed context (tree slots never precede pending rows)
+        if p:
+            allowed[:p, past : past + p] = torch.tril(torch.ones(p, p, dtype=torch.bool))
+            allowed[p:, past : past + p] = True
+        row_of = {n: past + p + i for i, n in enumerate(new_nodes)}
+        for i, node in enumerate(new_nodes):
+            n = node
+            while n >= 0:
+                col = row_of.get(n, self.slot_of.get(n))
+                allowed[p + i, col] = True
+                n = tree.parent[n]
+        key_pos = torch.empty(past + q, dtype=torch.long)
+        key_pos[: self.committed] = torch.arange(self.committed)
+        for node, slot in self.slot_of.items():
+            key_pos[slot] = ctx + tree.depth[node]
+        key_pos[past:] = positions
+        hidden = forward_hidden(
+            self.model, self.cache, tokens.to(device), positions.to(device), allowed, key_pos.to(device)
+        )
+        if p:
+            self.committed += p
+            self.pending = []
+        for i, n in enumerate(new_nodes):
+            self.hidden[n] = hidden[p + i]
+        for n in new_nodes:
+            self.slot_of[n] = row_of[n]
+
+    def _hidden_rows(self, nodes: list[int]) -> torch.Tensor:
+        return torch.stack([self.hidden[n] for n in nodes])
+
+    def commit(self, path_nodes: list[int], path_tokens: list[int]) -> None:
+        """After verification: keep the encoded prefix of ``[root] + accepted``; queue the rest as pending.
+
+        ``path_nodes`` are the tree ids of the root and the accepted nodes, ``path_tokens`` their tokens.
+        """
+        kept = 0
+        for node in path_nodes:
+            if node in self.slot_of:
+                kept += 1
+            else:
+                break
+        keep = list(range(self.committed)) + [self.slot_of[n] for n in path_nodes[:kept]]
+        if len(keep) < cache_length(self.cache):
+            keep_cache_positions(self.cache, torch.tensor(keep, dtype=torch.long))
+        self.committed += kept
+        self.pending.extend(path_tokens[kept:])
+        self.slot_of, self.logprobs, self.hidden = {}, {}, {}

@@ -1,0 +1,126 @@
+"""The small drafter: n-gram lookup over the context, scored with the target's cached top-m.
+
+SPEC 4.1. The context (prompt + emitted tokens) is indexed by n-grams of orders 1..N, each mapped
+to the positions where it ends; the index grows as tokens are emitted and is never rebuilt. For a
+node, the last n tokens of context + path are looked up, longest n first; every occurrence proposes
+the token that followed it, scored by the target's cached log-probability of that token at that
+position (the top-m the target computed at prefill, and, with ``extend_cache``, at the positions it
+verified since). A token outside the cached top-m gets a floor: the position's m-th log-probability
+minus ``floor_penalty``; a position with no cache at all (``extend_cache=False`` past the prompt)
+gets ``uncached_score``. Distinct tokens are collected over orders N..1 until m are found; within
+an order, higher scores first. No match at any order proposes nothing.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["NGramConfig", "NGramDrafter"]
+
+
+@dataclass
+class NGramConfig:
+    max_n: int = 5
+    top_m: int = 10
+    extend_cache: bool = True
+    floor_penalty: float = 2.0
+    uncached_score: float = -12.0
+    # only the most recent occurrences of an n-gram are read (bounds the cost for frequent unigrams)
+    max_occurrences: int = 64
+
+    def __post_init__(self) -> None:
+        if self.max_n < 1 or self.top_m < 1:
+            raise ValueError(f"ngram max_n and top_m must be >= 1, got {self.max_n}, {self.top_m}")
+
+
+class NGramDrafter:
+    """Incremental n-gram index + target top-m cache. Call :meth:`reset`, then :meth:`append` per turn."""
+
+    def __init__(self, cfg: NGramConfig | None = None):
+        self.cfg = cfg or NGramConfig()
+        self.tokens: list[int] = []
+        self.index: list[dict[tuple, list[int]]] = []
+        # per position p: ({token: logprob} of the target's next-token distribution at p, floor score)
+        self.scores: list[tuple[dict[int, float], float] | None] = []
+        self.prompt_len = 0
+
+    def reset(self, prompt_ids: list[int], top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> None:
+        """Index the prompt; ``top_ids``/``top_logprobs`` [T', m] are the target's top-m at positions 0..T'-1."""
+        self.tokens = []
+        self.index = [defaultdict(list) for _ in range(self.cfg.max_n + 1)]
+        self.scores = []
+        self.prompt_len = len(prompt_ids)
+        self.append(prompt_ids)
+        self.set_scores(0, top_ids, top_logprobs)
+
+    def append(self, new_tokens: list[int]) -> None:
+        """Extend the context (and its index) with emitted tokens."""
+        toks = self.tokens
+        for token in new_tokens:
+            toks.append(int(token))
+            self.scores.append(None)
+            end = len(toks) - 1
+            for n in range(1, min(self.cfg.max_n, end + 1) + 1):
+                self.index[n][tuple(toks[end - n + 1 : end + 1])].append(end)
+
+    def set_scores(self, start: int, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> None:
+        """Cache the target's top-m at positions ``start .. start + len(top_ids) - 1``."""
+        ids = top_ids.tolist()
+        lps = top_logprobs.float().tolist()
+        penalty = self.cfg.floor_penalty
+        for offset, (row_ids, row_lps) in enumerate(zip(ids, lps)):
+            pos = start + offset
+            if pos >= len(self.scores):
+                break
+            if pos >= self.prompt_len and not self.cfg.extend_cache:
+                continue
+            self.scores[pos] = (dict(zip(row_ids, row_lps)), row_lps[-1] - penalty)
+
+    def _score(self, pos: int, token: int) -> float:
+        cached = self.scores[pos]
+        if cached is None:
+            return self.cfg.uncached_score
+        table, floor = cached
+        return table.get(token, floor)
+
+    def propose(self, path: list[int], m: int | None = None) -> tuple[list[tuple[int, float]], int]:
+        """Up to ``m`` (token, score) children for the node whose path below the root is ``path``.
+
+        The sequence looked up is context + path (the root is the context's last token). Returns the
+        children (best first within each order, longer orders first) and the longest matched order
+        (0 when nothing matched).
+        """
+        m = m or self.cfg.top_m
+        toks = self.tokens
+        n_max = self.cfg.max_n
+        tail = toks[-n_max:] + path if len(path) < n_max else path
+        tail = tail[-n_max:]
+        last = len(toks) - 1
+        found: dict[int, float] = {}
+        out: list[tuple[int, float]] = []
+        match = 0
+        for n in range(min(n_max, len(tail)), 0, -1):
+            ends = self.index[n].get(tuple(tail[-n:]))
+            if not ends:
+                continue
+            level: dict[int, float] = {}
+            for end in ends[-self.cfg.max_occurrences :]:
+                if end >= last:  # the occurrence ending at the newest token has no continuation yet
+                    continue
+                nxt = toks[end + 1]
+                if nxt in found:
+                    continue
+                score = self._score(end, nxt)
+                if score > level.get(nxt, float("-inf")):
+                    level[nxt] = score
+            if level:
+                match = max(match, n)
+            for token, score in sorted(level.items(), key=lambda kv: -kv[1]):
+                found[token] = score
+                out.append((token, score))
+                if len(out) >= m:
+                    return out, match
+        return out, match

@@ -1,0 +1,118 @@
+"""Running a stock transformers causal LM over draft-tree inputs with its own KV cache.
+
+The model is called through its own classes (``model.base_model`` then ``model.lm_head``), never
+patched: a custom 4D additive attention mask carries the tree structure and ``position_ids`` carry
+the depth positions. Logits are computed only for the rows that need them, because on a CPU the LM
+head over a large vocabulary costs as much as several decoder layers per row.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = [
+    "new_cache",
+    "cache_length",
+    "lm_logits",
+    "attention_mask_for",
+    "forward_hidden",
+    "keep_cache_positions",
+    "truncate_cache",
+]
+
+
+def new_cache():
+    """An empty KV cache whose every layer keeps all positions (sliding windows are applied by the mask)."""
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def cache_length(cache) -> int:
+    return cache.get_seq_length()
+
+
+def lm_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """float32 logits for hidden rows ``[..., H] -> [..., V]``, exactly as the model's forward computes them."""
+    logits = model.lm_head(hidden)
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is not None:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
+def _sliding_window(model: nn.Module) -> int | None:
+    config = model.config
+    types = getattr(config, "layer_types", None) or []
+    if "sliding_attention" in types and getattr(config, "sliding_window", None):
+        return int(config.sliding_window)
+    return None
+
+
+def attention_mask_for(
+    model: nn.Module, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor | dict:
+    """The 4D additive mask [1, 1, q, kv] from a boolean "may attend" matrix [q, kv].
+
+    For models with sliding-window layers (Gemma 3) a dict ``{layer_type: mask}`` is returned, the
+    sliding mask additionally blocking keys ``window`` or more positions behind the query, so the
+    result matches the model's own masking.
+    """
+    neg = torch.finfo(dtype).min
+    full = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, neg)[None, None]
+    window = _sliding_window(model)
+    if window is None:
+        return full
+    in_window = (query_pos[:, None] - key_pos[None, :]) < window
+    sliding = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    sliding.masked_fill_(~(allowed & in_window), neg)
+    return {"full_attention": full, "sliding_attention": sliding[None, None]}
+
+
+def forward_hidden(
+    model: nn.Module,
+    cache,
+    tokens: torch.Tensor,
+    position_ids: torch.Tensor,
+    allowed: torch.Tensor | None,
+    key_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Append ``tokens`` [q] to ``cache`` and return the final hidden states [q, H].
+
+    ``allowed`` [q, past + q] says which cached and new positions each new token may attend to;
+    ``None`` means plain causal attention (prefill of a chain). ``key_positions`` [past + q] are the
+    position ids of the keys (needed only for sliding-window models; defaults to 0..past-1 followed
+    by ``position_ids``).
+    """
+    device = tokens.device
+    past = cache_length(cache)
+    mask = None
+    if allowed is not None:
+        if key_positions is None:
+            key_positions = torch.cat([torch.arange(past, device=device), position_ids])
+        dtype = next(model.parameters()).dtype
+        mask = attention_mask_for(model, allowed.to(device), position_ids, key_positions, dtype)
+    out = model.base_model(
+        input_ids=tokens[None], position_ids=position_ids[None], attention_mask=mask, cache=cache, use_cache=True
+    )
+    return out.last_hidden_state[0]
+
+
+def keep_cache_positions(cache, keep: torch.Tensor) -> None:
+    """Keep only the cached positions ``keep`` (1-D, increasing) in every layer, in that order."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        idx = keep.to(layer.keys.device)
+        layer.keys = layer.keys.index_select(-2, idx)
+        layer.values = layer.values.index_select(-2, idx)
+
+
+def truncate_cache(cache, length: int) -> None:
+    """Drop every cached position from ``length`` on."""
+    for layer in cache.layers:
+        if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
+            continue
+        layer.keys = layer.keys[..., :length, :]
+        layer.values = layer.values[..., :length, :]

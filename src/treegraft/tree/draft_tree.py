@@ -1,0 +1,142 @@
+"""The draft tree: array-backed nodes shared by every drafter of a turn.
+
+Node 0 is the root: the last emitted token, not yet in any KV cache. Every other node is a draft
+token proposed under its parent. Per node we keep (one Python list per field, indexed by node id):
+
+=============  =====================================================================
+``token``      token id
+``parent``     parent node id (-1 for the root)
+``depth``      0 for the root, parent depth + 1 otherwise
+``creator``    which drafter created it: ``ROOT``, ``SMALL`` (n-gram) or ``MIDDLE``
+``step``       drafting step (1..D) that created it; 0 for the root
+``edge``       log-score of the node's token given its parent's prefix
+``cum``        path score: sum of ``edge`` from the root (root = 0)
+``visited``    whether the middle drafter has expanded it (``visited_mid`` in the spec)
+``alive``      False once removed by destructive grafting (ids are never reused)
+``children``   dict token -> child id (a token occurs at most once among siblings)
+=============  =====================================================================
+
+Node ids are creation order, so "ties broken by creation order" is "ties broken by id".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["ROOT", "SMALL", "MIDDLE", "DraftTree"]
+
+ROOT, SMALL, MIDDLE = -1, 0, 1
+
+
+@dataclass
+class DraftTree:
+    """An append-only tree of draft tokens (see the module docstring for the fields)."""
+
+    token: list[int] = field(default_factory=list)
+    parent: list[int] = field(default_factory=list)
+    depth: list[int] = field(default_factory=list)
+    creator: list[int] = field(default_factory=list)
+    step: list[int] = field(default_factory=list)
+    edge: list[float] = field(default_factory=list)
+    cum: list[float] = field(default_factory=list)
+    visited: list[bool] = field(default_factory=list)
+    alive: list[bool] = field(default_factory=list)
+    children: list[dict[int, int]] = field(default_factory=list)
+
+    @classmethod
+    def with_root(cls, root_token: int) -> "DraftTree":
+        tree = cls()
+        tree._append(int(root_token), -1, 0, ROOT, 0, 0.0, 0.0)
+        return tree
+
+    def __len__(self) -> int:
+        """Number of node ids ever created (dead ones included)."""
+        return len(self.token)
+
+    @property
+    def num_alive(self) -> int:
+        return sum(self.alive)
+
+    def _append(self, token: int, parent: int, depth: int, creator: int, step: int, edge: float, cum: float) -> int:
+        node = len(self.token)
+        self.token.append(token)
+        self.parent.append(parent)
+        self.depth.append(depth)
+        self.creator.append(creator)
+        self.step.append(step)
+        self.edge.append(edge)
+        self.cum.append(cum)
+        self.visited.append(False)
+        self.alive.append(True)
+        self.children.append({})
+        return node
+
+    def add_child(self, parent: int, token: int, edge: float, creator: int, step: int) -> int:
+        """Add ``token`` under ``parent``; if that token is already a child, return the existing node unchanged."""
+        existing = self.children[parent].get(token)
+        if existing is not None:
+            return existing
+        node = self._append(token, parent, self.depth[parent] + 1, creator, step, edge, self.cum[parent] + edge)
+        self.children[parent][token] = node
+        return node
+
+    def alive_nodes(self) -> list[int]:
+        return [i for i, a in enumerate(self.alive) if a]
+
+    def nodes_created_at(self, step: int) -> list[int]:
+        return [i for i, (s, a) in enumerate(zip(self.step, self.alive)) if s == step and a and i != 0]
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens from the root's first child down to ``node`` (the root's own token excluded)."""
+        out = []
+        while node > 0:
+            out.append(self.token[node])
+            node = self.parent[node]
+        out.reverse()
+        return out
+
+    def ancestors(self, node: int) -> list[int]:
+        """Ids from the root down to ``node``, both included."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parent[node]
+        out.reverse()
+        return out
+
+    def subtree(self, node: int) -> list[int]:
+        """``node`` and every alive descendant, parents before children."""
+        out, stack = [], [node]
+        while stack:
+            n = stack.pop()
+            out.append(n)
+            stack.extend(self.children[n].values())
+        return out
+
+    def remove_subtrees_below(self, node: int) -> list[int]:
+        """Delete every descendant of ``node`` (destructive grafting); returns the removed ids."""
+        removed = []
+        for child in list(self.children[node].values()):
+            for n in self.subtree(child):
+                self.alive[n] = False
+                removed.append(n)
+        self.children[node] = {}
+        return removed
+
+    def recompute_cum(self, start: int = 0) -> None:
+        """Recompute ``cum`` top-down below ``start`` from the current ``edge`` values."""
+        stack = [start]
+        while stack:
+            n = stack.pop()
+            base = self.cum[n]
+            for child in self.children[n].values():
+                self.cum[child] = base + self.edge[child]
+                stack.append(child)
+
+    def copy(self) -> "DraftTree":
+        """An independent copy (for enumerating schedules that share a prefix)."""
+        return DraftTree(
+            token=list(self.token), parent=list(self.parent), depth=list(self.depth), creator=list(self.creator),
+            step=list(self.step), edge=list(self.edge), cum=list(self.cum), visited=list(self.visited),
+            alive=list(self.alive), children=[dict(c) for c in self.children],
+        )

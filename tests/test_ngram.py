@@ -1,0 +1,73 @@
+"""The n-gram drafter (SPEC 4.1): longest match first, target-scored children, floor, incremental index."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treegraft.drafters import NGramConfig, NGramDrafter
+
+
+def scores_for(n_pos: int, table: dict[int, dict[int, float]], m: int = 3):
+    """top-m ids/logprobs rows: position p gets ``table[p]`` (padded with dummy tokens 900+)."""
+    ids, lps = [], []
+    for p in range(n_pos):
+        row = sorted(table.get(p, {}).items(), key=lambda kv: -kv[1])
+        row += [(900 + i, -20.0 - i) for i in range(m - len(row))]
+        ids.append([t for t, _ in row[:m]])
+        lps.append([s for _, s in row[:m]])
+    return torch.tensor(ids), torch.tensor(lps)
+
+
+def test_longest_match_first_then_shorter_orders():
+    # context: 1 2 3 | 9 2 3 7 | 5 3 8 | 1 2   (root = last token 2)
+    ctx = [1, 2, 3, 9, 2, 3, 7, 5, 3, 8, 1, 2]
+    drafter = NGramDrafter(NGramConfig(max_n=3, top_m=3, floor_penalty=1.0))
+    table = {1: {3: -0.5}, 4: {3: -0.2}, 2: {9: -1.0}, 5: {7: -0.3}, 8: {8: -0.4}}
+    drafter.reset(ctx, *scores_for(len(ctx) - 1, table))
+    children, match = drafter.propose([])
+    # suffix [1, 2] occurs ending at 1 -> next 3 (score -0.5); suffix [2] ends at 1 and 4 -> 3 again
+    # (already found); no other continuation of a bare "2": only one child
+    assert match == 2
+    assert [t for t, _ in children] == [3] and children[0][1] == pytest.approx(-0.5)
+    # from the node "3" below the root: suffix [1,2,3] ends at 2 -> 9; [2,3] ends at 2, 5 -> 9, 7; [3] -> 9, 7, 8
+    children, match = drafter.propose([3])
+    assert match == 3
+    assert [t for t, _ in children] == [9, 7, 8]
+    assert dict(children) == pytest.approx({9: -1.0, 7: -0.3, 8: -0.4})
+
+
+def test_floor_for_tokens_outside_the_cached_top_m_and_no_match():
+    ctx = [4, 5, 4, 6]
+    drafter = NGramDrafter(NGramConfig(max_n=2, top_m=2, floor_penalty=2.0))
+    ids, lps = scores_for(3, {0: {7: -0.1, 8: -0.9}}, m=2)  # position 0 predicts 7 or 8, but 5 followed
+    drafter.reset(ctx, ids, lps)
+    children, _ = drafter.propose([4])  # sequence ... 6, 4 -> suffix [4] ends at 0 and 2
+    assert children[0][0] == 5 and children[0][1] == pytest.approx(-0.9 - 2.0)  # floor = m-th logprob - penalty
+    assert dict(children)[6] == pytest.approx(-21.0 - 2.0)
+    assert drafter.propose([99]) == ([], 0)
+
+
+def test_incremental_index_equals_a_rebuild():
+    ctx = [1, 2, 3, 1, 2]
+    more = [4, 1, 2, 3, 5, 1]
+    a = NGramDrafter(NGramConfig(max_n=4))
+    a.reset(ctx, *scores_for(len(ctx) - 1, {}, m=10))
+    a.append(more)
+    b = NGramDrafter(NGramConfig(max_n=4))
+    b.reset(ctx + more, *scores_for(len(ctx) - 1, {}, m=10))
+    assert [dict(x) for x in a.index] == [dict(x) for x in b.index]
+    assert a.propose([2]) == b.propose([2])
+
+
+def test_extend_cache_switch():
+    ctx = [5, 6, 7]  # prompt; positions 0..2 are scored at prefill
+    ids, lps = scores_for(3, {}, m=3)
+    on = NGramDrafter(NGramConfig(max_n=1, top_m=3, extend_cache=True))
+    off = NGramDrafter(NGramConfig(max_n=1, top_m=3, extend_cache=False, uncached_score=-12.0))
+    for d in (on, off):
+        d.reset(ctx, ids, lps)
+        d.append([1, 2, 1])  # generated: positions 3, 4, 5; "1" at 3 was followed by 2
+        d.set_scores(3, torch.tensor([[2, 8, 9]]), torch.tensor([[-0.05, -3.0, -4.0]]))  # verified position 3
+    assert dict(on.propose([])[0])[2] == pytest.approx(-0.05)
+    assert dict(off.propose([])[0])[2] == pytest.approx(-12.0)  # the reference keeps prefill scores only

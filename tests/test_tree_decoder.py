@@ -1,0 +1,173 @@
+"""The tree speculative decoder is lossless (SPEC 8): greedy equality with `ar`, the sampling
+distribution, and KV caches that equal a fresh forward over the emitted text."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from treegraft.data import BENCHMARKS, BenchmarkConfig, format_prompt, load_benchmark
+from treegraft.decoding import AutoregressiveDecoder, SamplingConfig, TreeConfig, TreeGraftDecoder
+from treegraft.decoding import tree_decoder as tree_decoder_module
+from treegraft.decoding.sampling import target_distribution
+from treegraft.decoding.verify import Acceptance
+from treegraft.model_io import forward_hidden, new_cache
+from treegraft.models import build_tiny_model
+
+PROMPTS = ["hello world", "def f(x):\n    return x + 1\n\ndef g(x):\n    return", "abab abab abab ab", "1 2 3 4"]
+
+
+def ar_tokens(model, prompt_ids, n, eos=frozenset({2})):
+    return AutoregressiveDecoder(model, set(eos)).generate(prompt_ids, n).tokens
+
+
+@pytest.mark.parametrize("method", ["all_small", "all_mid"])
+@pytest.mark.parametrize("middle_kind", ["same", "random"])
+@pytest.mark.parametrize("budget", [0, 7, 63])
+def test_greedy_equals_ar_on_tiny_pair(tiny_pair, method, middle_kind, budget):
+    tok, target = tiny_pair.tokenizer, tiny_pair.target
+    middle = target if middle_kind == "same" else tiny_pair.middle
+    for text in PROMPTS:
+        ids = tok(text).input_ids
+        result = TreeGraftDecoder(target, middle, tok, TreeConfig(method=method, budget=budget)).generate(ids, 48)
+        assert result.tokens == ar_tokens(target, ids, 48), text
+        assert all(t["verified_nodes"] <= budget for t in result.turns)
+        if budget == 0:
+            assert all(t["accepted"] == 0 for t in result.turns)
+
+
+def test_same_model_middle_accepts_whole_chains(tiny_pair):
+    tok, target = tiny_pair.tokenizer, tiny_pair.target
+    ids = tok(PROMPTS[0]).input_ids
+    cfg = TreeConfig(method="all_mid", budget=600, node_cap=2000)
+    result = TreeGraftDecoder(target, target, tok, cfg).generate(ids, 60)
+    assert result.tokens == ar_tokens(target, ids, 60)
+    accepted = [t["accepted"] for t in result.turns]
+    assert sum(a == cfg.depth for a in accepted) >= len(accepted) - 1  # the last turn may be cut short
+
+
+def test_stops_at_eos_and_never_past_max_new_tokens(tiny_pair):
+    tok, target = tiny_pair.tokenizer, tiny_pair.target
+    ids = tok("stop here").input_ids
+    free = ar_tokens(target, ids, 30, eos=())
+    stop_id = free[7]
+    for method in ("all_small", "all_mid"):
+        dec = TreeGraftDecoder(target, target, tok, TreeConfig(method=method), eos_ids={stop_id})
+        out = dec.generate(ids, 30)
+        assert out.tokens == free[: free.index(stop_id) + 1] and out.stop_reason == "eos"
+        for n in (1, 5, 13):
+            dec = TreeGraftDecoder(target, target, tok, TreeConfig(method=method), eos_ids=set())
+            assert dec.generate(ids, n).tokens == free[:n]
+
+
+def test_kv_caches_equal_a_fresh_forward_after_many_turns(tiny_pair):
+    tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
+    ids = tok(PROMPTS[1]).input_ids
+    dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method="all_mid", budget=20), eos_ids=set())
+    out = dec.generate(ids, 40)
+    assert len(out.turns) > 5
+    context = ids + out.tokens[:-1]  # everything emitted except the last token (the next root)
+    for model, cache, tokens in [
+        (target, dec.cache, context),
+        (middle, dec.middle.cache, context[: dec.middle.committed]),
+    ]:
+        fresh = new_cache()
+        with torch.no_grad():
+            forward_hidden(model, fresh, torch.tensor(tokens), torch.arange(len(tokens)), None)
+        assert cache.get_seq_length() == len(tokens)
+        for got, want in zip(cache.layers, fresh.layers):
+            torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-4)
+    # the middle drafter never holds a rejected token: its committed context is a prefix of the text
+    assert dec.middle.committed + len(dec.middle.pending) == len(context)
+
+
+# ---------------------------------------------------------------- sampling
+def first_token_samples(target, middle, prompt_ids, n, temperature=1.0):
+    samples = []
+    for seed in range(n):
+        dec = TreeGraftDecoder(
+            target, middle, None, TreeConfig(method="all_mid", depth=1, top_m=6),  # the first token only needs depth 1
+            sampling=SamplingConfig(temperature=temperature, seed=seed), eos_ids=set(),
+        )
+        samples.append(dec.generate(prompt_ids, 1).tokens[0])
+    return samples
+
+
+def chi_square_pvalue(samples, probs):
+    n = len(samples)
+    counts = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()
+    expected = probs.double() * n
+    big = expected >= 5  # pool the rare tokens into one bin so every expected count is >= 5
+    obs = torch.cat([counts[big], counts[~big].sum()[None]])
+    exp = torch.cat([expected[big], expected[~big].sum()[None]])
+    exp = exp * (obs.sum() / exp.sum())  # float32 probabilities do not sum to exactly 1
+    return chisquare(obs.numpy(), exp.numpy()).pvalue
+
+
+@pytest.fixture(scope="module")
+def sampling_setup():
+    target = build_tiny_model(0)
+    prompt_ids = [70, 71, 72, 73]
+    with torch.no_grad():
+        logits = target(torch.tensor([prompt_ids])).logits[0, -1]
+    return target, prompt_ids, target_distribution(logits, SamplingConfig(temperature=1.0))
+
+
+N_SAMPLES = 1500
+
+
+def test_speculative_sampling_keeps_the_target_distribution(sampling_setup):
+    target, prompt_ids, probs = sampling_setup
+    # the target itself as middle drafter: the tree holds exactly the most likely tokens, the
+    # hardest case for a broken rule to hide
+    samples = first_token_samples(target, target, prompt_ids, N_SAMPLES)
+    assert chi_square_pvalue(samples, probs) > 1e-3
+
+
+def test_the_chi_square_test_catches_a_broken_rule(sampling_setup, monkeypatch):
+    target, prompt_ids, probs = sampling_setup
+
+    def broken(inputs, row_logits, child_order, cfg, generator):
+        # a classic bug: after rejecting the children, draw the bonus from p instead of the residual
+        lg = row_logits(0)
+        p = target_distribution(lg, cfg)
+        for child in child_order(0):
+            token = int(inputs.tokens[child])
+            if float(torch.rand((), generator=generator)) < float(p[token]):
+                return Acceptance(rows=[0, child], bonus=0, logits=[lg, lg])
+        return Acceptance(rows=[0], bonus=int(torch.multinomial(p, 1, generator=generator)), logits=[lg])
+
+    monkeypatch.setattr(tree_decoder_module, "accept_sampling", broken)
+    samples = first_token_samples(target, target, prompt_ids, N_SAMPLES)
+    assert chi_square_pvalue(samples, probs) < 1e-6
+
+
+def test_sampling_with_top_p_stays_in_the_nucleus(tiny_pair):
+    tok, target = tiny_pair.tokenizer, tiny_pair.target
+    ids = tok("nucleus").input_ids
+    cfg = SamplingConfig(temperature=0.9, top_p=0.5, seed=4)
+    dec = TreeGraftDecoder(target, target, tok, TreeConfig(method="all_mid"), sampling=cfg, eos_ids=set())
+    out = dec.generate(ids, 20).tokens
+    context = list(ids)
+    with torch.no_grad():
+        for token in out:
+            probs = target_distribution(target(torch.tensor([context])).logits[0, -1], cfg)
+            assert probs[token] > 0  # every emitted token is inside the top-p nucleus of its position
+            context.append(token)
+
+
+# ---------------------------------------------------------------- real models
+@pytest.mark.embedded
+@pytest.mark.parametrize("benchmark", BENCHMARKS)
+def test_greedy_equals_ar_on_smollm2_self_pair(smollm2_self_pair, benchmark):
+    pair = smollm2_self_pair
+    tok = pair.tokenizer
+    record = load_benchmark(BenchmarkConfig(name=benchmark, num_prompts=1))[0]
+    ids = tok(format_prompt(tok, record["turns"][0]), add_special_tokens=False).input_ids[:256]
+    eos = {tok.eos_token_id}
+    ref = AutoregressiveDecoder(pair.target, eos).generate(ids, 24).tokens
+    for method in ("all_small", "all_mid"):
+        dec = TreeGraftDecoder(pair.target, pair.middle, tok, TreeConfig(method=method, budget=15), eos_ids=eos)
+        assert dec.generate(ids, 24).tokens == ref, method
