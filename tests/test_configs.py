@@ -8,6 +8,7 @@ from omegaconf import OmegaConf
 
 from treegraft.config import CONF_DIR
 from treegraft.data import BenchmarkConfig
+from treegraft.decoding.factory import METHODS, tree_config_from
 from treegraft.models import PairSpec
 
 from .conftest import compose
@@ -15,7 +16,7 @@ from .conftest import compose
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
 
 
-DEFAULT_GROUPS = {"pair", "method", "paths"}
+DEFAULT_GROUPS = {"pair", "method", "paths", "tree"}
 
 
 def options(group: str) -> list[str]:
@@ -23,7 +24,7 @@ def options(group: str) -> list[str]:
 
 
 def test_expected_groups_exist():
-    assert {"pair", "data", "method", "paths"} <= set(GROUPS)
+    assert {"pair", "data", "method", "paths", "tree"} <= set(GROUPS)
     assert len(options("data")) == 6
     assert {"qwen-coder-1.5b__0.5b", "tiny-random", "smollm2-135m__self", "qwen-coder-1.5b__self",
             "qwen-coder-0.5b__self", "gemma3-270m__self", "qwen3-32b__0.6b"} <= set(options("pair"))
@@ -43,6 +44,11 @@ def test_group_option_composes_and_instantiates(group, option):
             assert isinstance(obj, expected)
         if group == "pair":
             assert obj.name == option
+    if group == "method":
+        assert node.name == option and option in METHODS
+    if group == "tree":
+        tree = tree_config_from("all_small", resolved)
+        assert tree.depth >= 1 and tree.ngram.max_n >= 1
 
 
 def test_default_generate_config(cfg_generate):

@@ -51,3 +51,15 @@ def test_generate_missing_embedded_model_is_one_line(tmp_path):
 def test_generate_empty_prompt_is_an_error():
     proc = run_generate("pair=tiny-random", "prompt=' '")
     assert proc.returncode == 2 and "empty prompt" in proc.stderr
+
+
+def test_generate_speculative_methods_print_the_same_text_as_ar():
+    args = ["pair=tiny-random", "chat_template=false", "prompt=abc abc abc abc", "max_new_tokens=24"]
+    ar = run_generate(*args, "method=ar")
+    assert ar.returncode == 0, ar.stderr
+    for method in ("all_small", "all_mid", "hf_prompt_lookup"):
+        proc = run_generate(*args, f"method={method}", "tree.budget=12")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == ar.stdout, method
+        assert f"[{method}]" in proc.stderr
+    assert "mean_AL=" in run_generate(*args, "method=all_small").stderr

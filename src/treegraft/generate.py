@@ -5,6 +5,9 @@ Run:
         prompt="Write a Python function that checks whether a number is prime." max_new_tokens=128
     python -m treegraft.generate pair=smollm2-135m__self prompt_file=my_prompt.txt dtype=bfloat16
     python -m treegraft.generate pair=tiny-random chat_template=false prompt="hello" temperature=0.8 seed=3
+    python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=all_mid tree.budget=auto prompt="..."
+
+Methods: ar, all_small, all_mid, hf_assisted, hf_prompt_lookup.
 
 Only the generated text goes to stdout, so two methods' outputs can be compared with `diff`.
 """
@@ -36,7 +39,10 @@ def run(cfg: DictConfig) -> int:
     import torch
 
     from .data import format_prompt
-    from .decoding import AutoregressiveDecoder, SamplingConfig, eos_token_ids
+    from omegaconf import OmegaConf
+
+    from .decoding import SamplingConfig
+    from .decoding.factory import build_decoder
     from .models import load_pair
 
     text = read_prompt(cfg)
@@ -51,10 +57,7 @@ def run(cfg: DictConfig) -> int:
     torch.manual_seed(cfg.seed)
 
     method = cfg.method.name
-    if method == "ar":
-        decoder = AutoregressiveDecoder(pair.target, eos_token_ids(pair.target, tokenizer), sampling)
-    else:
-        raise ValueError(f"unknown method {method!r}; expected one of: ar")
+    decoder = build_decoder(method, pair, OmegaConf.to_container(cfg.tree, resolve=True), sampling)
     result = decoder.generate(prompt_ids, cfg.max_new_tokens)
     sys.stdout.write(tokenizer.decode(result.tokens, skip_special_tokens=True))
     sys.stdout.write("\n")
@@ -63,6 +66,9 @@ def run(cfg: DictConfig) -> int:
         f"[{method}] pair={pair_spec.name} new_tokens={result.new_tokens} prompt_tokens={result.prompt_tokens} "
         f"time={result.wall_time_s:.2f}s tokens/s={result.tokens_per_s:.2f} stop={result.stop_reason} dtype={cfg.dtype}"
     )
+    if result.turns:
+        mean_al = sum(t["accepted"] for t in result.turns) / len(result.turns)
+        stats += f" turns={len(result.turns)} mean_AL={mean_al:.2f}"
     print(stats, file=sys.stderr)
     return 0
 

@@ -145,7 +145,9 @@ class TreeGraftDecoder:
     def _expand_middle(self, tree: DraftTree, nodes: list[int], step: int, stats: dict) -> None:
         start = time.perf_counter()
         mid = self.middle
+        before = mid.forward_s
         mid.encode(tree, nodes)
+        stats["middle_forward_s"] += mid.forward_s - before
         m, cap = self.cfg.top_m, self.cfg.node_cap
         for node in nodes:
             lp, ids = mid.logprobs[node].topk(m)
@@ -179,7 +181,8 @@ class TreeGraftDecoder:
     # ------------------------------------------------------------------ one turn
     def _turn(self, root: int, generator, schedule: Sequence[int]) -> tuple[list[int], dict]:
         turn_start = time.perf_counter()
-        stats = {"small_s": 0.0, "middle_s": 0.0, "verify_s": 0.0, "small_calls": 0, "middle_calls": 0}
+        stats = {"small_s": 0.0, "middle_s": 0.0, "verify_s": 0.0, "small_calls": 0, "middle_calls": 0,
+                 "target_forward_s": 0.0, "middle_forward_s": 0.0}
         tree = self.build_tree(root, schedule, stats)
         kept = prune_to_budget(tree, self.budget())
 
@@ -189,10 +192,18 @@ class TreeGraftDecoder:
         n = inputs.size
         allowed = torch.ones(n, L + n, dtype=torch.bool)
         allowed[:, L:] = inputs.ancestor_mask
+        fwd = time.perf_counter()
         hidden = forward_hidden(
             self.target, self.cache, inputs.tokens.to(self.device), inputs.position_ids.to(self.device), allowed
         )
-        row_logits = lambda row: lm_logits(self.target, hidden[row])  # noqa: E731
+        stats["target_forward_s"] += time.perf_counter() - fwd
+
+        def row_logits(row: int) -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = lm_logits(self.target, hidden[row])
+            stats["target_forward_s"] += time.perf_counter() - t0
+            return out
+
         if self.sampling.greedy:
             acc = accept_greedy(inputs, row_logits)
         else:
@@ -228,6 +239,8 @@ class TreeGraftDecoder:
             turn_s=time.perf_counter() - turn_start,
         )
         stats["other_s"] = stats["turn_s"] - stats["small_s"] - stats["middle_s"] - stats["verify_s"]
+        # what is not a model forward: tree building, n-gram lookups, masks, acceptance, cache compaction
+        stats["outside_forward_s"] = stats["turn_s"] - stats["target_forward_s"] - stats["middle_forward_s"]
         return emitted, stats
 
     # ------------------------------------------------------------------ public

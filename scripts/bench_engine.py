@@ -1,0 +1,165 @@
+"""Benchmark the decoding engine on one pair: methods side by side on real prompts (not a test).
+
+Run:
+    python scripts/bench_engine.py pair=qwen-coder-1.5b__0.5b prompts_per_benchmark=3 max_new_tokens=64
+    python scripts/bench_engine.py pair=smollm2-135m__self dtype=bfloat16 methods=[ar,all_small]
+    python scripts/bench_engine.py pair=tiny-random prompts_per_benchmark=1 max_new_tokens=16 max_prompt_tokens=256
+
+Spec-Bench style: a warm-up generation per method first (not scored), then every prompt with every
+method; greedy; speedup = ar's total time / the method's total time over the same prompts.
+Prints one table (method, tokens/s, speedup vs ar, mean AL, middle ms/call, n-gram ms/call,
+share of turn time outside model forwards, mismatches vs ar), the target's verification-latency
+curve, and the n-gram drafter's cost per call at a long context. Writes
+outputs/bench/<pair>/engine.csv (one row per method and dtype) and verify_curve.csv.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import pandas as pd
+import torch
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+
+from treegraft.config import CONF_DIR
+from treegraft.data import BenchmarkConfig, format_prompt, load_benchmark
+from treegraft.decoding.budget import measure_verify_curve
+from treegraft.decoding.equality import compare_outputs
+from treegraft.decoding.factory import build_decoder
+from treegraft.drafters import NGramConfig, NGramDrafter
+from treegraft.models import load_model, load_pair
+
+
+def load_prompts(cfg: DictConfig, tokenizer) -> list[tuple[str, int, list[int]]]:
+    prompts = []
+    for name in cfg.benchmarks:
+        ds = load_benchmark(BenchmarkConfig(name=name, benchmarks_dir=cfg.paths.benchmarks_dir,
+                                            num_prompts=cfg.prompts_per_benchmark))
+        for rec in ds:
+            text = format_prompt(tokenizer, rec["turns"][0])
+            ids = tokenizer(text, add_special_tokens=False).input_ids
+            if cfg.max_prompt_tokens:
+                ids = ids[-cfg.max_prompt_tokens :]
+            prompts.append((name, rec["question_id"], ids))
+    return prompts
+
+
+def ngram_cost_ms(tokens: list[int], top_m: int, calls: int = 2000, seed: int = 0) -> float:
+    """Mean ms per `propose` call with a context of len(tokens), on random paths of depth 0..4."""
+    drafter = NGramDrafter(NGramConfig(top_m=top_m))
+    n = len(tokens)
+    gen = torch.Generator().manual_seed(seed)
+    drafter.reset(tokens, torch.randint(0, 1000, (n - 1, top_m), generator=gen), -torch.rand(n - 1, top_m, generator=gen))
+    rng = random.Random(seed)
+    paths = []
+    for _ in range(calls):
+        start = rng.randrange(0, n - 5)
+        paths.append(tokens[start : start + rng.randrange(0, 5)])
+    t0 = time.perf_counter()
+    for path in paths:
+        drafter.propose(path)
+    return (time.perf_counter() - t0) / calls * 1000
+
+
+def summarize(method: str, results: list, ar_time: float | None, reports: list) -> dict:
+    new_tokens = sum(r.new_tokens for r in results)
+    wall = sum(r.wall_time_s for r in results)
+    turns = [t for r in results for t in r.turns]
+    def per_call(key_s, key_n):
+        n = sum(t[key_n] for t in turns)
+        return 1000 * sum(t[key_s] for t in turns) / n if n else float("nan")
+    turn_s = sum(t["turn_s"] for t in turns)
+    return {
+        "method": method,
+        "prompts": len(results),
+        "new_tokens": new_tokens,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": new_tokens / wall if wall else float("nan"),
+        "speedup": (ar_time / wall) if ar_time else float("nan"),
+        "mean_al": statistics.mean(t["accepted"] for t in turns) if turns else float("nan"),
+        "middle_ms_per_call": per_call("middle_s", "middle_calls"),
+        "ngram_ms_per_call": per_call("small_s", "small_calls"),
+        "outside_share": sum(t["outside_forward_s"] for t in turns) / turn_s if turn_s else float("nan"),
+        "mismatches": sum(not rep.equal for rep in reports),
+        "mismatches_unexplained": sum(not rep.equal and not rep.explained_by_tie for rep in reports),
+    }
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench_engine")
+def main(cfg: DictConfig) -> None:
+    console = Console(width=160)
+    torch.manual_seed(0)
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pair = load_pair(instantiate(cfg.pair), dtype=cfg.dtype, device=cfg.device, models_dir=cfg.paths.models_dir)
+    tree = OmegaConf.to_container(cfg.tree, resolve=True)
+    prompts = load_prompts(cfg, pair.tokenizer)
+    console.print(f"{len(prompts)} prompts, {cfg.max_new_tokens} new tokens, dtype {cfg.dtype}, pair {cfg.pair.name}")
+
+    target_fp32 = pair.target if cfg.dtype == "float32" else None
+    outputs: dict[str, list] = {}
+    rows = []
+    for method in cfg.methods:
+        decoder = build_decoder(method, pair, tree)
+        decoder.generate(prompts[0][2], 8)  # warm-up, not scored
+        results = [decoder.generate(ids, cfg.max_new_tokens)
+                   for _, _, ids in tqdm(prompts, desc=method, file=sys.stderr)]
+        outputs[method] = results
+        reports = []
+        if method != "ar" and "ar" in outputs:
+            if target_fp32 is None and any(r.tokens != a.tokens for r, a in zip(results, outputs["ar"])):
+                target_fp32 = load_model(cfg.pair.target, "float32", cfg.device, cfg.paths.models_dir)
+            reports = [compare_outputs(a.tokens, r.tokens, ids, target_fp32, cfg.tie_tolerance)
+                       for (_, _, ids), r, a in zip(prompts, results, outputs["ar"])]
+        ar_time = sum(r.wall_time_s for r in outputs["ar"]) if "ar" in outputs else None
+        rows.append({"dtype": cfg.dtype, **summarize(method, results, ar_time, reports)})
+        console.print(rows[-1])
+
+    df = pd.DataFrame(rows)
+    table = Table(title=f"engine on {cfg.pair.name} ({cfg.dtype}, {len(prompts)} prompts x {cfg.max_new_tokens} tokens)")
+    cols = ["method", "tokens_per_s", "speedup", "mean_al", "middle_ms_per_call", "ngram_ms_per_call",
+            "outside_share", "mismatches", "mismatches_unexplained"]
+    for c in cols:
+        table.add_column(c)
+    for _, r in df.iterrows():
+        table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+    console.print(table)
+
+    csv = out_dir / "engine.csv"
+    if csv.exists():  # keep the other dtype's rows
+        old = pd.read_csv(csv)
+        df = pd.concat([old[old["dtype"] != cfg.dtype], df], ignore_index=True)
+    tmp = csv.with_suffix(".csv.tmp")
+    df.to_csv(tmp, index=False)
+    tmp.replace(csv)
+
+    curve = measure_verify_curve(pair.target, context=cfg.curve_context, sizes=list(cfg.curve_sizes),
+                                 max_size=max(cfg.curve_sizes))
+    base = curve[min(curve)]
+    ct = Table(title=f"verification latency at a {cfg.curve_context}-token context ({cfg.dtype})")
+    for c in ("tree size", "ms", "x one-token forward"):
+        ct.add_column(c)
+    for n, s in curve.items():
+        ct.add_row(str(n), f"{1000 * s:.1f}", f"{s / base:.2f}")
+    console.print(ct)
+    pd.DataFrame({"tree_size": list(curve), "seconds": list(curve.values()), "dtype": cfg.dtype}).to_csv(
+        out_dir / f"verify_curve_{cfg.dtype}.csv", index=False)
+
+    long_ctx = [t for _, _, ids in prompts for t in ids]
+    while len(long_ctx) < cfg.ngram_context:
+        long_ctx = long_ctx + long_ctx
+    cost = ngram_cost_ms(long_ctx[: cfg.ngram_context], tree["ngram"]["top_m"])
+    console.print(f"n-gram drafter: {cost:.3f} ms per call at a {cfg.ngram_context}-token context")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The Hugging Face peers, on the same models: assisted generation and prompt lookup decoding.
+
+Both are transformers' own `generate` features, wrapped to return a :class:`GenerationResult`
+so they can be timed and compared with our methods side by side. Greedy only (transformers'
+assisted generation is exact under greedy decoding; with sampling it follows its own rule).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from .autoregressive import GenerationResult, context_window, validate_prompt
+from .sampling import SamplingConfig
+
+__all__ = ["HFAssistedDecoder", "HFPromptLookupDecoder"]
+
+
+class _HFGenerate:
+    method = "hf"
+
+    def __init__(self, target: nn.Module, eos_ids: set[int], sampling: SamplingConfig | None = None):
+        self.target = target
+        self.eos_ids = sorted(eos_ids)
+        self.sampling = sampling or SamplingConfig()
+
+    def _kwargs(self) -> dict:
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> GenerationResult:
+        if isinstance(prompt_ids, torch.Tensor):
+            prompt_ids = prompt_ids.flatten().tolist()
+        prompt_ids = [int(t) for t in prompt_ids]
+        validate_prompt(prompt_ids, max_new_tokens, context_window(self.target))
+        device = next(self.target.parameters()).device
+        ids = torch.tensor([prompt_ids], device=device)
+        sampling = {"do_sample": False}
+        if not self.sampling.greedy:
+            torch.manual_seed(self.sampling.seed)
+            sampling = {"do_sample": True, "temperature": self.sampling.temperature, "top_p": self.sampling.top_p}
+        start = time.perf_counter()
+        out = self.target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_ids or None,
+            pad_token_id=self.eos_ids[0] if self.eos_ids else 0,
+            **sampling,
+            **self._kwargs(),
+        )
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - start
+        tokens = out[0, len(prompt_ids):].tolist()
+        stop = "eos" if tokens and tokens[-1] in self.eos_ids else "max_new_tokens"
+        return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_ids), wall_time_s=wall,
+                                prefill_time_s=float("nan"), stop_reason=stop)
+
+
+class HFAssistedDecoder(_HFGenerate):
+    """`generate(assistant_model=middle)`: transformers' speculative decoding with the middle drafter."""
+
+    method = "hf_assisted"
+
+    def __init__(self, target: nn.Module, assistant: nn.Module, eos_ids: set[int], sampling=None):
+        super().__init__(target, eos_ids, sampling)
+        self.assistant = assistant
+
+    def _kwargs(self) -> dict:
+        return {"assistant_model": self.assistant}
+
+
+class HFPromptLookupDecoder(_HFGenerate):
+    """`generate(prompt_lookup_num_tokens=k)`: transformers' n-gram prompt lookup decoding."""
+
+    method = "hf_prompt_lookup"
+
+    def __init__(self, target: nn.Module, eos_ids: set[int], sampling=None, num_tokens: int = 10, max_ngram: int = 2):
+        super().__init__(target, eos_ids, sampling)
+        self.num_tokens, self.max_ngram = num_tokens, max_ngram
+
+    def _kwargs(self) -> dict:
+        return {"prompt_lookup_num_tokens": self.num_tokens, "max_matching_ngram_size": self.max_ngram}
