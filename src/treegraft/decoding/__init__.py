@@ -2,13 +2,13 @@
 
 from .autoregressive import AutoregressiveDecoder, GenerationResult, PromptError, eos_token_ids, validate_prompt
 from .sampling import SamplingConfig, sample_from_logits, target_distribution
-from .tree_decoder import METHOD_SCHEDULES, TreeConfig, TreeGraftDecoder
+from .tree_decoder import METHOD_PRESETS, TreeConfig, TreeGraftDecoder
 
 __all__ = [
     "AutoregressiveDecoder",
     "GenerationResult",
     "PromptError",
-    "METHOD_SCHEDULES",
+    "METHOD_PRESETS",
     "SamplingConfig",
     "TreeConfig",
     "TreeGraftDecoder",

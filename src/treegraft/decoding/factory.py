@@ -8,11 +8,11 @@ from ..models import LoadedPair
 from .autoregressive import AutoregressiveDecoder, eos_token_ids
 from .hf_peers import HFAssistedDecoder, HFPromptLookupDecoder
 from .sampling import SamplingConfig
-from .tree_decoder import METHOD_SCHEDULES, TreeConfig, TreeGraftDecoder
+from .tree_decoder import METHOD_PRESETS, TreeConfig, TreeGraftDecoder
 
 __all__ = ["METHODS", "build_decoder", "tree_config_from"]
 
-METHODS = ("ar", *METHOD_SCHEDULES, "hf_assisted", "hf_prompt_lookup")
+METHODS = ("ar", *METHOD_PRESETS, "hf_assisted", "hf_prompt_lookup")
 
 
 def tree_config_from(method: str, tree: dict | None) -> TreeConfig:
@@ -28,7 +28,7 @@ def build_decoder(method: str, pair: LoadedPair, tree: dict | None = None, sampl
     eos = eos_token_ids(pair.target, pair.tokenizer)
     if method == "ar":
         return AutoregressiveDecoder(pair.target, eos, sampling)
-    if method in METHOD_SCHEDULES:
+    if method in METHOD_PRESETS:
         return TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from(method, tree), sampling, eos)
     if method == "hf_assisted":
         return HFAssistedDecoder(pair.target, pair.middle, eos, sampling)

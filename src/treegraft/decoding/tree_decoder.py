@@ -31,21 +31,49 @@ from ..model_io import cache_length, forward_hidden, keep_cache_positions, lm_lo
 from .sampling import SamplingConfig
 from .verify import accept_greedy, accept_sampling
 
-__all__ = ["TreeConfig", "TreeGraftDecoder", "METHOD_SCHEDULES", "schedule_for"]
+__all__ = ["TreeConfig", "TreeGraftDecoder", "MethodPreset", "METHOD_PRESETS"]
 
-# Single-drafter endpoints: every step by one drafter (SPEC 3.1).
-METHOD_SCHEDULES = {"all_small": SMALL, "all_mid": MIDDLE}
+
+@dataclass(frozen=True)
+class MethodPreset:
+    """How a method builds its tree.
+
+    shared: the shared-tree construction of SPEC 3.2 (asymmetric rescoring, grafting) rather than
+        the single-drafter construction of SPEC 3.1.
+    schedule: ``"small"`` (every step skips), ``"mid"`` (every step calls) or ``"fixed"``
+        (``TreeConfig.schedule``).
+    """
+
+    shared: bool
+    schedule: str
+    grafting: str = "nondestructive"
+    expanded_selection: bool = True
+
+
+METHOD_PRESETS: dict[str, MethodPreset] = {
+    "all_small": MethodPreset(shared=False, schedule="small"),
+    "all_mid": MethodPreset(shared=False, schedule="mid"),
+    "fixed": MethodPreset(shared=True, schedule="fixed"),
+    "all_call": MethodPreset(shared=True, schedule="mid"),
+    "no_nondestructive": MethodPreset(shared=True, schedule="fixed", grafting="destructive"),
+    "no_expanded_selection": MethodPreset(shared=True, schedule="fixed", expanded_selection=False),
+}
 
 
 @dataclass
 class TreeConfig:
     """Tree and drafter settings (SPEC section 3 defaults).
 
-    method: ``all_small`` (every step by the n-gram drafter) or ``all_mid`` (every step by the middle drafter).
+    method: a key of ``METHOD_PRESETS``: ``all_small`` / ``all_mid`` (single-drafter endpoints),
+        ``fixed`` (shared tree, ``schedule``), ``all_call`` (shared tree, every step a call),
+        ``no_nondestructive`` / ``no_expanded_selection`` (ablations of ``fixed``).
     depth: D drafting steps; width: W nodes expanded per step; top_m: children per expanded node.
     budget: B_ver, non-root nodes verified per turn, or ``"auto"`` (picked from the measured
         verification-latency curve, see :func:`treegraft.decoding.budget.pick_budget`).
     node_cap: construction stops adding nodes past this many.
+    schedule: the fixed schedule (1 = call the middle drafter, 0 = skip) of ``fixed`` and the ablations.
+    grafting / expanded_selection: override the method's preset (``nondestructive|destructive``, bool).
+    max_calls_per_turn: optional per-turn budget of middle-drafter calls (later steps are forced to skip).
     """
 
     method: str = "all_small"
@@ -54,6 +82,10 @@ class TreeConfig:
     top_m: int = 10
     budget: int | str = 63
     node_cap: int = 511
+    schedule: list[int] = field(default_factory=lambda: [1, 0, 1, 0, 1])
+    grafting: str | None = None
+    expanded_selection: bool | None = None
+    max_calls_per_turn: int | None = None
     ngram: NGramConfig = field(default_factory=NGramConfig)
     auto_latency_ratio: float = 2.0
     auto_max_budget: int = 64
@@ -61,17 +93,37 @@ class TreeConfig:
     def __post_init__(self) -> None:
         if isinstance(self.ngram, dict):
             self.ngram = NGramConfig(**self.ngram)
-        if self.method not in METHOD_SCHEDULES:
-            raise ValueError(f"unknown tree method {self.method!r}; expected one of {sorted(METHOD_SCHEDULES)}")
+        if self.method not in METHOD_PRESETS:
+            raise ValueError(f"unknown tree method {self.method!r}; expected one of {sorted(METHOD_PRESETS)}")
         for name in ("depth", "width", "top_m", "node_cap"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.budget != "auto" and int(self.budget) < 0:
             raise ValueError(f"budget must be an int >= 0 or 'auto', got {self.budget!r}")
+        self.schedule = [int(a) for a in self.schedule]
+        if len(self.schedule) != self.depth or any(a not in (0, 1) for a in self.schedule):
+            raise ValueError(f"schedule must be {self.depth} actions of 0 (skip) or 1 (call), got {self.schedule}")
+        if self.grafting not in (None, "nondestructive", "destructive"):
+            raise ValueError(f"grafting must be nondestructive or destructive, got {self.grafting!r}")
 
+    @property
+    def preset(self) -> MethodPreset:
+        base = METHOD_PRESETS[self.method]
+        return MethodPreset(
+            shared=base.shared,
+            schedule=base.schedule,
+            grafting=self.grafting or base.grafting,
+            expanded_selection=base.expanded_selection if self.expanded_selection is None else self.expanded_selection,
+        )
 
-def schedule_for(method: str, depth: int) -> list[int]:
-    return [METHOD_SCHEDULES[method]] * depth
+    def actions(self) -> list[int]:
+        """The method's schedule for one turn."""
+        kind = self.preset.schedule
+        if kind == "small":
+            return [SMALL] * self.depth
+        if kind == "mid":
+            return [MIDDLE] * self.depth
+        return list(self.schedule)
 
 
 class TreeGraftDecoder:
@@ -92,8 +144,8 @@ class TreeGraftDecoder:
         self.eos_ids = set(eos_ids) if eos_ids is not None else eos_token_ids(target, tokenizer)
         self.device = next(target.parameters()).device
         self.middle = MiddleDrafter(middle) if middle is not None else None
-        if self.cfg.method == "all_mid" and self.middle is None:
-            raise ValueError("method all_mid needs a middle drafter")
+        if MIDDLE in self.cfg.actions() and self.middle is None:
+            raise ValueError(f"method {self.cfg.method} calls the middle drafter, but none was given")
         self.ngram = NGramDrafter(self.cfg.ngram)
         self._budget: int | None = None if self.cfg.budget == "auto" else int(self.cfg.budget)
         self.verify_curve: dict[int, float] | None = None
@@ -159,31 +211,95 @@ class TreeGraftDecoder:
         stats["middle_calls"] += 1
 
     def _top_w(self, tree: DraftTree, pool: list[int]) -> list[int]:
+        """The W best pool nodes by cum (ties: shallower, then earlier created)."""
         pool = sorted(pool, key=lambda n: (-tree.cum[n], tree.depth[n], n))
         return pool[: self.cfg.width]
 
-    def build_tree(self, root_token: int, schedule: Sequence[int], stats: dict) -> DraftTree:
-        """Single-drafter construction (SPEC 3.1): step 1 expands the root, step t the top W of step t-1's nodes."""
+    def _newest_pool(self, tree: DraftTree, step: int) -> list[int]:
+        """The nodes created at the previous step (the root at step 1); empty if that step added none,
+        in which case the step adds nothing (a later shared middle step can still graft anywhere)."""
+        return [0] if step == 1 else tree.nodes_created_at(step - 1)
+
+    def _graft_middle(self, tree: DraftTree, step: int, stats: dict) -> None:
+        """A shared-tree middle step (SPEC 3.2): rescore every node under q_m, select anywhere, graft."""
+        start = time.perf_counter()
+        mid = self.middle
+        preset = self.cfg.preset
+        before = mid.forward_s
+        alive = tree.alive_nodes()
+        parents = [n for n in alive if tree.children[n]]
+        # one incremental forward over every node not yet encoded; q_m at every node with children
+        mid.encode(tree, alive, need_logprobs=parents)
+        for n in alive[1:]:  # asymmetric scoring: the middle drafter recomputes every edge and cum
+            tree.edge[n] = float(mid.logprobs[tree.parent[n]][tree.token[n]])
+        tree.recompute_cum(0)
+        if preset.expanded_selection:
+            pool = [n for n in alive if not tree.visited[n]]
+        else:
+            pool = [n for n in self._newest_pool(tree, step) if not tree.visited[n]]
+        selected = self._top_w(tree, pool)
+        mid.encode(tree, selected)  # already encoded: this only adds their log-probability rows
+        stats["middle_forward_s"] += mid.forward_s - before
+        m, cap = self.cfg.top_m, self.cfg.node_cap
+        for node in selected:
+            if not tree.alive[node]:  # removed by a destructive graft above it in this same step
+                continue
+            tree.visited[node] = True
+            if preset.grafting == "destructive":
+                tree.remove_subtrees_below(node)
+            lp, ids = mid.logprobs[node].topk(m)
+            for token, score in zip(ids.tolist(), lp.tolist()):
+                child = tree.children[node].get(token)
+                if child is not None:  # non-destructive: the branch stays, with the middle's score
+                    tree.edge[child] = score
+                    continue
+                if len(tree) >= cap:
+                    break
+                tree.add_child(node, token, score, MIDDLE, step)
+        stats["middle_s"] += time.perf_counter() - start
+        stats["middle_calls"] += 1
+
+    def build_tree(self, root_token: int, actions: Sequence[int], stats: dict) -> DraftTree:
+        """Build one turn's tree, step t done by ``actions[t-1]`` (0 = n-gram drafter, 1 = middle drafter).
+
+        Single-drafter methods (SPEC 3.1): step 1 expands the root, step t the top W of the nodes
+        created at step t-1, with stored scores. Shared-tree methods (SPEC 3.2): the small step is
+        the same; a middle step rescores the whole tree and may graft under any unvisited node.
+        """
         tree = DraftTree.with_root(root_token)
         if self.middle is not None:
             self.middle.start_turn()
-        for step, action in enumerate(schedule, start=1):
-            pool = [0] if step == 1 else tree.nodes_created_at(step - 1)
-            if not pool or len(tree) >= self.cfg.node_cap:
+        shared = self.cfg.preset.shared
+        calls = 0
+        done: list[int] = []
+        for step, action in enumerate(actions, start=1):
+            if len(tree) >= self.cfg.node_cap:
                 break
+            if action == MIDDLE and self.cfg.max_calls_per_turn is not None and calls >= self.cfg.max_calls_per_turn:
+                action = SMALL
+            done.append(action)
+            if action == MIDDLE and shared:
+                self._graft_middle(tree, step, stats)
+                calls += 1
+                continue
+            pool = self._newest_pool(tree, step)
+            if not pool:
+                continue
             selected = self._top_w(tree, pool)
             if action == MIDDLE:
                 self._expand_middle(tree, selected, step, stats)
+                calls += 1
             else:
                 self._expand_small(tree, selected, step, stats)
+        stats["schedule"] = done
         return tree
 
     # ------------------------------------------------------------------ one turn
-    def _turn(self, root: int, generator, schedule: Sequence[int]) -> tuple[list[int], dict]:
+    def _turn(self, root: int, generator, actions: Sequence[int]) -> tuple[list[int], dict]:
         turn_start = time.perf_counter()
         stats = {"small_s": 0.0, "middle_s": 0.0, "verify_s": 0.0, "small_calls": 0, "middle_calls": 0,
                  "target_forward_s": 0.0, "middle_forward_s": 0.0}
-        tree = self.build_tree(root, schedule, stats)
+        tree = self.build_tree(root, actions, stats)
         kept = prune_to_budget(tree, self.budget())
 
         start = time.perf_counter()
@@ -235,7 +351,6 @@ class TreeGraftDecoder:
             accepted=acc.accepted,
             tree_nodes=len(tree),
             verified_nodes=len(kept),
-            schedule=list(schedule),
             turn_s=time.perf_counter() - turn_start,
         )
         stats["other_s"] = stats["turn_s"] - stats["small_s"] - stats["middle_s"] - stats["verify_s"]
@@ -255,7 +370,7 @@ class TreeGraftDecoder:
         generator = None
         if not self.sampling.greedy:
             generator = torch.Generator(device=self.device).manual_seed(self.sampling.seed)
-        schedule = schedule_for(self.cfg.method, self.cfg.depth)
+        actions = self.cfg.actions()
 
         start = time.perf_counter()
         self._prefill(prompt_ids)
@@ -265,7 +380,7 @@ class TreeGraftDecoder:
         turns: list[dict] = []
         stop_reason = "max_new_tokens"
         while len(tokens) < max_new_tokens:
-            emitted, stats = self._turn(root, generator, schedule)
+            emitted, stats = self._turn(root, generator, actions)
             turns.append(stats)
             for token in emitted:
                 tokens.append(token)
