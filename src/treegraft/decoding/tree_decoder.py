@@ -25,6 +25,7 @@ from torch import nn
 
 from ..drafters.middle import MiddleDrafter
 from ..drafters.ngram import NGramConfig, NGramDrafter
+from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
 from ..tree import MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_to_budget
 from .autoregressive import GenerationResult, context_window, eos_token_ids, validate_prompt
 from ..model_io import cache_length, forward_hidden, keep_cache_positions, lm_logits, new_cache
@@ -137,6 +138,7 @@ class TreeGraftDecoder:
         cfg: TreeConfig | None = None,
         sampling: SamplingConfig | None = None,
         eos_ids: set[int] | None = None,
+        scheduler: Scheduler | None = None,
     ):
         self.target = target
         self.cfg = cfg or TreeConfig()
@@ -144,11 +146,17 @@ class TreeGraftDecoder:
         self.eos_ids = set(eos_ids) if eos_ids is not None else eos_token_ids(target, tokenizer)
         self.device = next(target.parameters()).device
         self.middle = MiddleDrafter(middle) if middle is not None else None
-        if MIDDLE in self.cfg.actions() and self.middle is None:
+        if scheduler is None and MIDDLE in self.cfg.actions() and self.middle is None:
             raise ValueError(f"method {self.cfg.method} calls the middle drafter, but none was given")
         self.ngram = NGramDrafter(self.cfg.ngram)
         self._budget: int | None = None if self.cfg.budget == "auto" else int(self.cfg.budget)
         self.verify_curve: dict[int, float] | None = None
+        self.scheduler: Scheduler = scheduler or FixedScheduler(self.cfg.actions())
+        # runtime context of the scheduler state (ms per target verification / middle forward),
+        # measured by a warm-up; 0 = unknown
+        self.t_tgt_ms = 0.0
+        self.t_mid_ms = 0.0
+        self.prompt_len = 0
 
     # ------------------------------------------------------------------ setup
     def budget(self) -> int:
@@ -259,8 +267,23 @@ class TreeGraftDecoder:
         stats["middle_s"] += time.perf_counter() - start
         stats["middle_calls"] += 1
 
-    def build_tree(self, root_token: int, actions: Sequence[int], stats: dict) -> DraftTree:
-        """Build one turn's tree, step t done by ``actions[t-1]`` (0 = n-gram drafter, 1 = middle drafter).
+    def step_state(self, tree: DraftTree, step: int, history: list[int], with_signals: bool) -> StepState:
+        """The scheduler's view before step ``step``'s action (SPEC 5.1)."""
+        signals = None
+        if with_signals:
+            frontier = frontier_of(tree, step)
+            match, top1 = 0, None
+            if frontier:
+                best = min(frontier, key=lambda n: (-tree.cum[n], tree.depth[n], n))
+                children, match = self.ngram.propose(tree.path_tokens(best), self.cfg.top_m)
+                top1 = children[0][1] if children else None
+            signals = tree_signals(tree, step, self.cfg.width, match, top1)
+        return StepState(step=step, depth=self.cfg.depth, history=list(history), prompt_len=self.prompt_len,
+                         t_tgt_ms=self.t_tgt_ms, t_mid_ms=self.t_mid_ms, signals=signals)
+
+    def build_tree(self, root_token: int, actions: Sequence[int] | None, stats: dict) -> DraftTree:
+        """Build one turn's tree, step t done by ``actions[t-1]`` (0 = n-gram drafter, 1 = middle drafter),
+        or by the scheduler's decision before each step when ``actions`` is None.
 
         Single-drafter methods (SPEC 3.1): step 1 expands the root, step t the top W of the nodes
         created at step t-1, with stored scores. Shared-tree methods (SPEC 3.2): the small step is
@@ -272,9 +295,18 @@ class TreeGraftDecoder:
         shared = self.cfg.preset.shared
         calls = 0
         done: list[int] = []
-        for step, action in enumerate(actions, start=1):
+        for step in range(1, self.cfg.depth + 1):
             if len(tree) >= self.cfg.node_cap:
                 break
+            if actions is not None:
+                action = int(actions[step - 1])
+            else:
+                t0 = time.perf_counter()
+                state = self.step_state(tree, step, done, self.scheduler.needs_signals)
+                action = int(self.scheduler.decide(state))
+                stats["schedule_s"] = stats.get("schedule_s", 0.0) + time.perf_counter() - t0
+            if action == MIDDLE and self.middle is None:
+                raise ValueError("the scheduler chose a middle-drafter call, but there is no middle drafter")
             if action == MIDDLE and self.cfg.max_calls_per_turn is not None and calls >= self.cfg.max_calls_per_turn:
                 action = SMALL
             done.append(action)
@@ -295,7 +327,7 @@ class TreeGraftDecoder:
         return tree
 
     # ------------------------------------------------------------------ one turn
-    def _turn(self, root: int, generator, actions: Sequence[int]) -> tuple[list[int], dict]:
+    def _turn(self, root: int, generator, actions: Sequence[int] | None = None) -> tuple[list[int], dict]:
         turn_start = time.perf_counter()
         stats = {"small_s": 0.0, "middle_s": 0.0, "verify_s": 0.0, "small_calls": 0, "middle_calls": 0,
                  "target_forward_s": 0.0, "middle_forward_s": 0.0}
@@ -370,7 +402,7 @@ class TreeGraftDecoder:
         generator = None
         if not self.sampling.greedy:
             generator = torch.Generator(device=self.device).manual_seed(self.sampling.seed)
-        actions = self.cfg.actions()
+        self.prompt_len = len(prompt_ids)
 
         start = time.perf_counter()
         self._prefill(prompt_ids)
@@ -380,7 +412,7 @@ class TreeGraftDecoder:
         turns: list[dict] = []
         stop_reason = "max_new_tokens"
         while len(tokens) < max_new_tokens:
-            emitted, stats = self._turn(root, generator, actions)
+            emitted, stats = self._turn(root, generator)
             turns.append(stats)
             for token in emitted:
                 tokens.append(token)

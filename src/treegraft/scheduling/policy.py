@@ -1,0 +1,54 @@
+"""The scheduler interface: per drafting step, call the middle drafter (1) or skip it (0).
+
+A policy sees a :class:`StepState` measured before the step's action (SPEC 5.1): runtime context,
+scheduling history and, if it asks for them (``needs_signals``), the tree signals.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+__all__ = ["StepState", "Scheduler", "FixedScheduler", "runtime_features", "history_features"]
+
+
+@dataclass
+class StepState:
+    step: int  # 1..depth
+    depth: int  # D
+    history: list[int]  # actions of steps 1..step-1
+    prompt_len: int
+    t_tgt_ms: float  # ms per verification forward (measured at warm-up)
+    t_mid_ms: float  # ms per middle-drafter forward (measured at warm-up)
+    signals: dict[str, float] | None = None
+
+
+def runtime_features(state: StepState) -> list[float]:
+    """log(1 + prompt length), t_tgt, t_mid, log(t_tgt / t_mid) (0 where undefined)."""
+    ratio = math.log(state.t_tgt_ms / state.t_mid_ms) if state.t_tgt_ms > 0 and state.t_mid_ms > 0 else 0.0
+    return [math.log1p(state.prompt_len), state.t_tgt_ms, state.t_mid_ms, ratio]
+
+
+def history_features(state: StepState) -> list[float]:
+    """t / D, calls so far / D, and one bit per step 1..D (1 where that earlier step was a call)."""
+    bits = [float(state.history[i]) if i < len(state.history) else 0.0 for i in range(state.depth)]
+    return [state.step / state.depth, sum(state.history) / state.depth, *bits]
+
+
+class Scheduler(Protocol):
+    needs_signals: bool
+
+    def decide(self, state: StepState) -> int: ...
+
+
+class FixedScheduler:
+    """Always the same schedule, e.g. ``[1, 0, 1, 0, 1]``."""
+
+    needs_signals = False
+
+    def __init__(self, actions: Sequence[int]):
+        self.actions = [int(a) for a in actions]
+
+    def decide(self, state: StepState) -> int:
+        return self.actions[state.step - 1]

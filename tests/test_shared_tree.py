@@ -1,0 +1,154 @@
+"""The shared tree (SPEC 3.2): lossless under every schedule, grafting invariants, the "Lumber
+Liquidators" effect, and tree signals on hand-built trees."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
+from treegraft.scheduling import SIGNAL_NAMES, FixedScheduler, tree_signals
+from treegraft.tree import MIDDLE, SMALL, DraftTree
+
+REPEATING = "abcabc abcabc abcabc abc"
+
+
+def empty_stats():
+    return {"small_s": 0.0, "middle_s": 0.0, "small_calls": 0, "middle_calls": 0, "middle_forward_s": 0.0}
+
+
+@pytest.mark.parametrize("schedule", list(itertools.product([0, 1], repeat=5)))
+def test_greedy_equals_ar_for_every_schedule(tiny_pair, schedule):
+    tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
+    ids = tok(REPEATING).input_ids
+    ref = AutoregressiveDecoder(target, {2}).generate(ids, 24).tokens
+    dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method="fixed", schedule=list(schedule), budget=24))
+    out = dec.generate(ids, 24)
+    assert out.tokens == ref
+    assert all(t["schedule"] == list(schedule) for t in out.turns)
+
+
+@pytest.mark.parametrize("method", ["fixed", "all_call", "no_nondestructive", "no_expanded_selection"])
+def test_greedy_equals_ar_for_every_shared_method(tiny_pair, method):
+    tok, target = tiny_pair.tokenizer, tiny_pair.target
+    for middle in (target, tiny_pair.middle):
+        ids = tok("hello hello hello world").input_ids
+        dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method=method, budget=30))
+        assert dec.generate(ids, 32).tokens == AutoregressiveDecoder(target, {2}).generate(ids, 32).tokens
+
+
+def grown_tree(decoder, tok, text=REPEATING):
+    """A turn's tree after two small steps on a repetitive prompt (the n-gram drafter finds matches)."""
+    ids = tok(text).input_ids
+    decoder._prefill(ids)
+    decoder.middle.start_turn()
+    tree = DraftTree.with_root(ids[-1])
+    stats = empty_stats()
+    decoder._expand_small(tree, [0], 1, stats)
+    decoder._expand_small(tree, decoder._top_w(tree, tree.nodes_created_at(1)), 2, stats)
+    assert len(tree) > 3, "the n-gram drafter should have proposed something on a repetitive prompt"
+    return tree, stats
+
+
+@pytest.mark.parametrize("grafting", ["nondestructive", "destructive"])
+def test_grafting_invariants(tiny_pair, grafting):
+    tok = tiny_pair.tokenizer
+    dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok,
+                           TreeConfig(method="fixed", grafting=grafting, width=4, top_m=5))
+    tree, stats = grown_tree(dec, tok)
+    for step in (3, 4):
+        alive_before = set(tree.alive_nodes())
+        visited_before = {n for n in alive_before if tree.visited[n]}
+        children_before = {n: set(tree.subtree(n)) - {n} for n in alive_before}
+        n_before = len(tree)
+        dec._graft_middle(tree, step, stats)
+        newly_visited = {n for n in range(n_before) if tree.visited[n]} - visited_before
+        assert newly_visited and not (newly_visited & visited_before)  # the pool never holds visited nodes
+        assert len(newly_visited) <= dec.cfg.width
+        alive_after = set(tree.alive_nodes())
+        removed = alive_before - alive_after
+        if grafting == "nondestructive":
+            assert not removed  # nothing is ever deleted
+        else:
+            expected = set().union(*(children_before[n] for n in newly_visited if n in alive_after))
+            assert removed == expected  # exactly the selected nodes' old subtrees
+        for node in alive_after:
+            tokens = [tree.token[c] for c in tree.children[node].values()]
+            assert len(tokens) == len(set(tokens))
+        assert all(tree.creator[n] == MIDDLE and tree.step[n] == step for n in range(n_before, len(tree)))
+        for n in alive_after - {0}:  # rescored: cum is the path sum of the middle drafter's edges
+            assert tree.cum[n] == pytest.approx(tree.cum[tree.parent[n]] + tree.edge[n], abs=1e-5)
+
+
+def test_nondestructive_grafting_keeps_the_branch_the_target_accepts(tiny_pair, monkeypatch):
+    """The paper's "Lumber Liquidators" case: small steps grow the target's own continuation; a
+    middle step then grafts at the root, where the (unrelated) middle drafter proposes other tokens.
+    Non-destructive grafting keeps the branch and the target accepts it; destructive grafting loses it."""
+    tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
+    ids = tok("the quick brown fox").input_ids
+    truth = AutoregressiveDecoder(target, set()).generate(ids, 6).tokens
+
+    def oracle_propose(self, path, m=None):  # an n-gram drafter that happens to know the continuation
+        k = len(path)
+        return ([(truth[k], -0.1)], 3) if path == truth[:k] and k < len(truth) else ([], 0)
+
+    accepted = {}
+    for grafting in ("nondestructive", "destructive"):
+        dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method="fixed", schedule=[0, 0, 1, 0, 0],
+                                                               grafting=grafting, budget=63), eos_ids=set())
+        monkeypatch.setattr(type(dec.ngram), "propose", oracle_propose)
+        dec._prefill(ids)
+        dec.middle.reset(ids)
+        _, stats = dec._turn(ids[-1], None)
+        accepted[grafting] = stats["accepted"]
+    with torch.no_grad():
+        middle_top = middle(torch.tensor([ids])).logits[0, -1].topk(TreeConfig().top_m).indices.tolist()
+    assert truth[0] not in middle_top  # the middle drafter would not propose the target's token at the root
+    assert accepted["nondestructive"] >= 2
+    assert accepted["destructive"] == 0
+
+
+def test_signals_on_a_hand_built_tree():
+    t = DraftTree.with_root(0)
+    a = t.add_child(0, 1, -0.5, SMALL, 1)  # depth 1
+    b = t.add_child(0, 2, -1.0, SMALL, 1)  # depth 1
+    a1 = t.add_child(a, 3, -0.25, SMALL, 2)  # depth 2, cum -0.75
+    a2 = t.add_child(a, 4, -2.0, SMALL, 2)  # depth 2, cum -2.5
+    t.visited[0] = True
+    s = tree_signals(t, step=3, width=2, ngram_match_len=2, small_top1_logprob=-0.6931471805599453)
+    assert list(s) == list(SIGNAL_NAMES)
+    # frontier = step-2 nodes {a1, a2}: mean depth 2, both leaves, cum mean -1.625, max -0.75
+    assert s["depth_before"] == 2 and s["leaf_ratio_before"] == 1.0
+    assert s["frontier_cum_mean"] == pytest.approx(-1.625) and s["frontier_cum_max"] == pytest.approx(-0.75)
+    # picks = top-2 unvisited by cum: a (-0.5, depth 1) and a1 (-0.75, depth 2)
+    assert s["collapse_debt"] == pytest.approx(0.5)  # -(1.5 - 2)
+    assert s["pre_reselect_past_ratio"] == pytest.approx(0.5)  # a is at depth 1, not a frontier depth
+    assert s["pre_reselect_overlap"] == pytest.approx(0.5)  # a1 is in the frontier
+    assert s["pre_reselect_score"] == pytest.approx(-0.625)
+    assert s["node_count"] == 5 and s["unvisited_count"] == 4
+    assert s["ngram_match_len"] == 2 and s["small_top1_prob"] == pytest.approx(0.5)
+    # at step 1 the frontier is the root; a non-finite cum becomes 0
+    t.cum[b] = float("-inf")
+    s1 = tree_signals(t, step=1, width=10)
+    assert s1["depth_before"] == 0 and s1["leaf_ratio_before"] == 0.0
+    assert all(v == v and abs(v) != float("inf") for v in s1.values())
+
+
+def test_scheduler_is_consulted_each_step_and_call_budget_applies(tiny_pair):
+    tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
+    seen = []
+
+    class Recorder(FixedScheduler):
+        needs_signals = True
+
+        def decide(self, state):
+            seen.append((state.step, list(state.history), state.signals is not None))
+            return 1
+
+    cfg = TreeConfig(method="fixed", max_calls_per_turn=2)
+    dec = TreeGraftDecoder(target, middle, tok, cfg, scheduler=Recorder([1] * 5))
+    out = dec.generate(tok(REPEATING).input_ids, 4)
+    assert seen[:5] == [(1, [], True), (2, [1], True), (3, [1, 1], True), (4, [1, 1, 0], True), (5, [1, 1, 0, 0], True)]
+    assert out.turns[0]["schedule"] == [1, 1, 0, 0, 0] and out.turns[0]["middle_calls"] == 2
