@@ -30,7 +30,7 @@ def test_greedy_equals_ar_for_every_schedule(tiny_pair, schedule):
     assert all(t["schedule"] == list(schedule) for t in out.turns)
 
 
-@pytest.mark.parametrize("method", ["fixed", "all_call", "no_nondestructive", "no_expanded_selection"])
+@pytest.mark.parametrize("method", ["fixed", "all_call", "no_nondestructive", "no_expanded_selection", "csd"])
 def test_greedy_equals_ar_for_every_shared_method(tiny_pair, method):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     for middle in (target, tiny_pair.middle):
@@ -152,3 +152,12 @@ def test_scheduler_is_consulted_each_step_and_call_budget_applies(tiny_pair):
     out = dec.generate(tok(REPEATING).input_ids, 4)
     assert seen[:5] == [(1, [], True), (2, [1], True), (3, [1, 1], True), (4, [1, 1, 0], True), (5, [1, 1, 0, 0], True)]
     assert out.turns[0]["schedule"] == [1, 1, 0, 0, 0] and out.turns[0]["middle_calls"] == 2
+
+
+def test_csd_drafts_a_chain_and_same_model_accepts_all(tiny_pair):
+    tok, target = tiny_pair.tokenizer, tiny_pair.target
+    ids = tok(REPEATING).input_ids
+    out = TreeGraftDecoder(target, target, tok, TreeConfig(method="csd"), eos_ids=set()).generate(ids, 30)
+    assert out.tokens == AutoregressiveDecoder(target, set()).generate(ids, 30).tokens
+    assert all(t["verified_nodes"] == 5 for t in out.turns)  # a chain of D nodes, nothing else
+    assert sum(t["accepted"] == 5 for t in out.turns) >= len(out.turns) - 1

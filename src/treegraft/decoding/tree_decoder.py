@@ -49,6 +49,7 @@ class MethodPreset:
     schedule: str
     grafting: str = "nondestructive"
     expanded_selection: bool = True
+    csd: bool = False  # Cascade-Speculative-Drafting chain instead of a tree
 
 
 METHOD_PRESETS: dict[str, MethodPreset] = {
@@ -58,6 +59,7 @@ METHOD_PRESETS: dict[str, MethodPreset] = {
     "all_call": MethodPreset(shared=True, schedule="mid"),
     "no_nondestructive": MethodPreset(shared=True, schedule="fixed", grafting="destructive"),
     "no_expanded_selection": MethodPreset(shared=True, schedule="fixed", expanded_selection=False),
+    "csd": MethodPreset(shared=False, schedule="mid", csd=True),
 }
 
 
@@ -67,7 +69,9 @@ class TreeConfig:
 
     method: a key of ``METHOD_PRESETS``: ``all_small`` / ``all_mid`` (single-drafter endpoints),
         ``fixed`` (shared tree, ``schedule``), ``all_call`` (shared tree, every step a call),
-        ``no_nondestructive`` / ``no_expanded_selection`` (ablations of ``fixed``).
+        ``no_nondestructive`` / ``no_expanded_selection`` (ablations of ``fixed``), ``csd`` (a
+        Cascade-Speculative-Drafting chain: the middle drafter drafts D tokens, itself sped up by the
+        n-gram drafter's proposals, and the target verifies the chain).
     depth: D drafting steps; width: W nodes expanded per step; top_m: children per expanded node.
     budget: B_ver, non-root nodes verified per turn, or ``"auto"`` (picked from the measured
         verification-latency curve, see :func:`treegraft.decoding.budget.pick_budget`).
@@ -115,6 +119,7 @@ class TreeConfig:
             schedule=base.schedule,
             grafting=self.grafting or base.grafting,
             expanded_selection=base.expanded_selection if self.expanded_selection is None else self.expanded_selection,
+            csd=base.csd,
         )
 
     def actions(self) -> list[int]:
@@ -281,6 +286,54 @@ class TreeGraftDecoder:
         return StepState(step=step, depth=self.cfg.depth, history=list(history), prompt_len=self.prompt_len,
                          t_tgt_ms=self.t_tgt_ms, t_mid_ms=self.t_mid_ms, signals=signals)
 
+    def _build_csd_chain(self, root_token: int, stats: dict) -> DraftTree:
+        """A D-token chain drafted by the middle drafter, whose own drafts come from the n-gram drafter.
+
+        Each round the n-gram drafter proposes a greedy chain below the current end; one middle
+        forward scores it; the middle keeps the longest prefix equal to its own argmax choices and
+        adds its argmax after it (a lossless greedy cascade at the drafting level).
+        """
+        tree = DraftTree.with_root(root_token)
+        mid = self.middle
+        mid.start_turn()
+        depth = self.cfg.depth
+        end = 0
+        while tree.depth[end] < depth:
+            t0 = time.perf_counter()
+            path = tree.path_tokens(end)
+            proposal: list[tuple[int, float]] = []
+            for _ in range(depth - tree.depth[end] - 1):
+                children, _ = self.ngram.propose(path + [t for t, _ in proposal], 1)
+                if not children:
+                    break
+                proposal.append(children[0])
+            chain, parent = [], end
+            for token, score in proposal:
+                parent = tree.add_child(parent, token, score, SMALL, tree.depth[parent] + 1)
+                chain.append(parent)
+            stats["small_s"] += time.perf_counter() - t0
+            stats["small_calls"] += len(proposal)
+            t1 = time.perf_counter()
+            before = mid.forward_s
+            mid.encode(tree, [end] + chain)
+            stats["middle_forward_s"] += mid.forward_s - before
+            stats["middle_calls"] += 1
+            cur = end
+            for node in chain:
+                logp = mid.logprobs[cur]
+                if int(torch.argmax(logp)) != tree.token[node]:
+                    break
+                tree.edge[node] = float(logp[tree.token[node]])
+                tree.cum[node] = tree.cum[cur] + tree.edge[node]
+                cur = node
+            tree.remove_subtrees_below(cur)  # the middle drafter's rejection of the rest
+            logp = mid.logprobs[cur]
+            best = int(torch.argmax(logp))
+            end = tree.add_child(cur, best, float(logp[best]), MIDDLE, tree.depth[cur] + 1)
+            stats["middle_s"] += time.perf_counter() - t1
+        stats["schedule"] = [MIDDLE] * depth
+        return tree
+
     def build_tree(self, root_token: int, actions: Sequence[int] | None, stats: dict) -> DraftTree:
         """Build one turn's tree, step t done by ``actions[t-1]`` (0 = n-gram drafter, 1 = middle drafter),
         or by the scheduler's decision before each step when ``actions`` is None.
@@ -289,6 +342,8 @@ class TreeGraftDecoder:
         created at step t-1, with stored scores. Shared-tree methods (SPEC 3.2): the small step is
         the same; a middle step rescores the whole tree and may graft under any unvisited node.
         """
+        if self.cfg.preset.csd:
+            return self._build_csd_chain(root_token, stats)
         tree = DraftTree.with_root(root_token)
         if self.middle is not None:
             self.middle.start_turn()
