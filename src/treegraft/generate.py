@@ -7,7 +7,8 @@ Run:
     python -m treegraft.generate pair=tiny-random chat_template=false prompt="hello" temperature=0.8 seed=3
     python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=all_mid tree.budget=auto prompt="..."
 
-Methods: ar, all_small, all_mid, hf_assisted, hf_prompt_lookup.
+Methods (conf/method/): ar, all_small, all_mid, fixed, all_call, no_nondestructive,
+no_expanded_selection, csd, hf_assisted, hf_prompt_lookup.
 
 Only the generated text goes to stdout, so two methods' outputs can be compared with `diff`.
 """

@@ -99,14 +99,23 @@ def forward_hidden(
     return out.last_hidden_state[0]
 
 
-def keep_cache_positions(cache, keep: torch.Tensor) -> None:
-    """Keep only the cached positions ``keep`` (1-D, increasing) in every layer, in that order."""
+def keep_cache_positions(cache, prefix: int, tail: list[int]) -> None:
+    """Keep cached positions ``0..prefix-1`` followed by ``tail`` (increasing, all >= prefix).
+
+    Only the tail entries are moved (in place, right after the prefix), then the cache is cut, so
+    the cost is proportional to the accepted tokens, not to the context.
+    """
+    n = len(tail)
+    contiguous = tail == list(range(prefix, prefix + n))
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
-        idx = keep.to(layer.keys.device)
-        layer.keys = layer.keys.index_select(-2, idx)
-        layer.values = layer.values.index_select(-2, idx)
+        if not contiguous:
+            idx = torch.tensor(tail, dtype=torch.long, device=layer.keys.device)
+            layer.keys[..., prefix : prefix + n, :] = layer.keys.index_select(-2, idx)
+            layer.values[..., prefix : prefix + n, :] = layer.values.index_select(-2, idx)
+        layer.keys = layer.keys[..., : prefix + n, :]
+        layer.values = layer.values[..., : prefix + n, :]
 
 
 def truncate_cache(cache, length: int) -> None:

@@ -106,7 +106,8 @@ class TreeConfig:
         if self.budget != "auto" and int(self.budget) < 0:
             raise ValueError(f"budget must be an int >= 0 or 'auto', got {self.budget!r}")
         self.schedule = [int(a) for a in self.schedule]
-        if len(self.schedule) != self.depth or any(a not in (0, 1) for a in self.schedule):
+        uses_schedule = METHOD_PRESETS[self.method].schedule == "fixed"
+        if uses_schedule and (len(self.schedule) != self.depth or any(a not in (0, 1) for a in self.schedule)):
             raise ValueError(f"schedule must be {self.depth} actions of 0 (skip) or 1 (call), got {self.schedule}")
         if self.grafting not in (None, "nondestructive", "destructive"):
             raise ValueError(f"grafting must be nondestructive or destructive, got {self.grafting!r}")
@@ -415,8 +416,7 @@ class TreeGraftDecoder:
                 return sorted(kids, key=lambda r: (-tree.cum[inputs.node_ids[r]], inputs.node_ids[r]))
 
             acc = accept_sampling(inputs, row_logits, child_order, self.sampling, generator)
-        keep = torch.cat([torch.arange(L), L + torch.tensor(acc.rows, dtype=torch.long)])
-        keep_cache_positions(self.cache, keep)
+        keep_cache_positions(self.cache, L, [L + row for row in acc.rows])
         stats["verify_s"] += time.perf_counter() - start
 
         path_nodes = [inputs.node_ids[r] for r in acc.rows]

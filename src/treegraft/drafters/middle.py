@@ -137,9 +137,9 @@ class MiddleDrafter:
                 kept += 1
             else:
                 break
-        keep = list(range(self.committed)) + [self.slot_of[n] for n in path_nodes[:kept]]
-        if len(keep) < cache_length(self.cache):
-            keep_cache_positions(self.cache, torch.tensor(keep, dtype=torch.long))
+        tail = [self.slot_of[n] for n in path_nodes[:kept]]
+        if self.committed + len(tail) < cache_length(self.cache):
+            keep_cache_positions(self.cache, self.committed, tail)
         self.committed += kept
         self.pending.extend(path_tokens[kept:])
         self.slot_of, self.logprobs, self.hidden = {}, {}, {}
