@@ -35,7 +35,10 @@ from treegraft.data import BenchmarkConfig, format_prompt, load_benchmark
 from treegraft.decoding.budget import measure_verify_curve
 from treegraft.decoding.equality import compare_outputs
 from treegraft.decoding.factory import build_decoder
+from treegraft.decoding import TreeGraftDecoder
+from treegraft.decoding.factory import tree_config_from
 from treegraft.drafters import NGramConfig, NGramDrafter
+from treegraft.scheduling import FixedScheduler
 from treegraft.models import load_model, load_pair
 
 
@@ -68,6 +71,21 @@ def ngram_cost_ms(tokens: list[int], top_m: int, calls: int = 2000, seed: int = 
     for path in paths:
         drafter.propose(path)
     return (time.perf_counter() - t0) / calls * 1000
+
+
+class SignalTimer(FixedScheduler):
+    """The fixed schedule, but asking for the tree signals so their cost shows in `schedule_s`."""
+
+    needs_signals = True
+
+
+def signals_cost_ms(pair, tree: dict, prompts, max_new_tokens: int) -> float:
+    """Mean ms per step to compute the scheduler state with all tree signals, on real trees."""
+    cfg = tree_config_from("fixed", tree)
+    dec = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, cfg, scheduler=SignalTimer(cfg.actions()))
+    turns = [t for _, _, ids in prompts for t in dec.generate(ids, max_new_tokens).turns]
+    steps = sum(len(t["schedule"]) for t in turns)
+    return 1000 * sum(t.get("schedule_s", 0.0) for t in turns) / max(steps, 1)
 
 
 def summarize(method: str, results: list, ar_time: float | None, reports: list) -> dict:
@@ -159,6 +177,9 @@ def main(cfg: DictConfig) -> None:
         long_ctx = long_ctx + long_ctx
     cost = ngram_cost_ms(long_ctx[: cfg.ngram_context], tree["ngram"]["top_m"])
     console.print(f"n-gram drafter: {cost:.3f} ms per call at a {cfg.ngram_context}-token context")
+    if pair.middle is not None and "fixed" in cfg.methods:
+        ms = signals_cost_ms(pair, tree, prompts[:2], min(cfg.max_new_tokens, 16))
+        console.print(f"scheduler state with all tree signals: {ms:.3f} ms per step (fixed schedule, real trees)")
 
 
 if __name__ == "__main__":

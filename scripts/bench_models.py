@@ -33,7 +33,7 @@ from treegraft.paths import REPO_ROOT, default_models_dir
 
 def forward_latency(model, context: int, new_tokens: int, repeats: int) -> float:
     """Median ms of one forward of ``new_tokens`` tokens over a ``context``-token KV cache."""
-    from transformers import DynamicCache
+    from treegraft.model_io import new_cache, truncate_cache
 
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(0)
@@ -41,13 +41,13 @@ def forward_latency(model, context: int, new_tokens: int, repeats: int) -> float
     step = torch.randint(0, vocab, (1, new_tokens), generator=gen)
     times = []
     with torch.inference_mode():
-        cache = DynamicCache(config=model.config)
+        cache = new_cache()  # every layer keeps all positions, so the step can be dropped again
         model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
         for _ in range(repeats + 1):  # the first run is a warm-up
             start = time.perf_counter()
             model(input_ids=step, cache=cache, use_cache=True)
             times.append((time.perf_counter() - start) * 1000)
-            cache.crop(-new_tokens)  # drop the step again: every repeat sees the same context
+            truncate_cache(cache, context)  # drop the step again: every repeat sees the same context
     return statistics.median(times[1:])
 
 

@@ -27,8 +27,9 @@ def test_generate_prints_text_and_stats_line():
     tok = build_tiny_tokenizer()
     expected = AutoregressiveDecoder(build_tiny_model(0), {2}).generate(tok("hello world again").input_ids, 16)
     assert proc.stdout == tok.decode(expected.tokens, skip_special_tokens=True) + "\n"
-    stats = [line for line in proc.stderr.splitlines() if line.startswith("[ar]")]
-    assert len(stats) == 1 and "new_tokens=" in stats[0] and "tokens/s=" in stats[0]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("[ar]")  # exactly one stats line
+    assert "new_tokens=16" in lines[0] and "tokens/s=" in lines[0]
 
 
 def test_generate_reads_prompt_file_with_any_characters(tmp_path):

@@ -38,6 +38,11 @@ def read_prompt(cfg: DictConfig) -> str:
 
 def run(cfg: DictConfig) -> int:
     import torch
+    from transformers.utils import logging as hf_logging
+
+    # stderr carries exactly one stats line: no loading bars or advisory warnings from transformers
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
 
     from .data import format_prompt
     from omegaconf import OmegaConf
