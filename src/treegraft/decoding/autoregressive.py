@@ -74,6 +74,22 @@ def context_window(model: nn.Module) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
+def prepare_prompt(prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, model: nn.Module) -> list[int]:
+    """The prompt as a list of ints, checked against ``model``'s context window (:class:`PromptError`)."""
+    if isinstance(prompt_ids, torch.Tensor):
+        prompt_ids = prompt_ids.flatten().tolist()
+    prompt_ids = [int(t) for t in prompt_ids]
+    validate_prompt(prompt_ids, max_new_tokens, context_window(model))
+    return prompt_ids
+
+
+def make_generator(sampling: SamplingConfig, device: torch.device) -> torch.Generator | None:
+    """A seeded generator on ``device`` for sampling; None for greedy decoding."""
+    if sampling.greedy:
+        return None
+    return torch.Generator(device=device).manual_seed(sampling.seed)
+
+
 class AutoregressiveDecoder:
     """Greedy or sampled decoding with the target's KV cache, one forward per token.
 
@@ -92,14 +108,9 @@ class AutoregressiveDecoder:
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> GenerationResult:
         from transformers import DynamicCache
 
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.flatten().tolist()
-        prompt_ids = [int(t) for t in prompt_ids]
-        validate_prompt(prompt_ids, max_new_tokens, context_window(self.model))
+        prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.model)
         device = next(self.model.parameters()).device
-        generator = None
-        if not self.sampling.greedy:
-            generator = torch.Generator(device=device).manual_seed(self.sampling.seed)
+        generator = make_generator(self.sampling, device)
 
         start = time.perf_counter()
         cache = DynamicCache(config=self.model.config)

@@ -13,7 +13,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .autoregressive import GenerationResult, context_window, validate_prompt
+from .autoregressive import GenerationResult, prepare_prompt
 from .sampling import SamplingConfig
 
 __all__ = ["HFAssistedDecoder", "HFPromptLookupDecoder"]
@@ -32,10 +32,7 @@ class _HFGenerate:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> GenerationResult:
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.flatten().tolist()
-        prompt_ids = [int(t) for t in prompt_ids]
-        validate_prompt(prompt_ids, max_new_tokens, context_window(self.target))
+        prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.target)
         device = next(self.target.parameters()).device
         ids = torch.tensor([prompt_ids], device=device)
         sampling = {"do_sample": False}

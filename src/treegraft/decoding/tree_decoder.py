@@ -27,7 +27,7 @@ from ..drafters.middle import MiddleDrafter
 from ..drafters.ngram import NGramConfig, NGramDrafter
 from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
 from ..tree import MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_to_budget
-from .autoregressive import GenerationResult, context_window, eos_token_ids, validate_prompt
+from .autoregressive import GenerationResult, eos_token_ids, make_generator, prepare_prompt
 from ..model_io import cache_length, forward_hidden, keep_cache_positions, lm_logits, new_cache
 from .sampling import SamplingConfig
 from .verify import accept_greedy, accept_sampling
@@ -448,15 +448,9 @@ class TreeGraftDecoder:
     # ------------------------------------------------------------------ public
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> GenerationResult:
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.flatten().tolist()
-        prompt_ids = [int(t) for t in prompt_ids]
-        # a turn may write up to B_ver + 1 positions past the committed context before compaction
-        validate_prompt(prompt_ids, max_new_tokens, context_window(self.target))
+        prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.target)
         self.budget()
-        generator = None
-        if not self.sampling.greedy:
-            generator = torch.Generator(device=self.device).manual_seed(self.sampling.seed)
+        generator = make_generator(self.sampling, self.device)
         self.prompt_len = len(prompt_ids)
 
         start = time.perf_counter()
