@@ -83,6 +83,20 @@ def prepare_prompt(prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int
     return prompt_ids
 
 
+def extend_until_stop(tokens: list[int], new: Sequence[int], eos_ids: set[int], max_new_tokens: int) -> str | None:
+    """Append ``new`` to ``tokens`` up to and including the first EOS, never past ``max_new_tokens``.
+
+    Returns ``"eos"`` or ``"max_new_tokens"`` when generation must stop, else None.
+    """
+    for token in new:
+        tokens.append(token)
+        if token in eos_ids:
+            return "eos"
+        if len(tokens) >= max_new_tokens:
+            return "max_new_tokens"
+    return None
+
+
 def make_generator(sampling: SamplingConfig, device: torch.device) -> torch.Generator | None:
     """A seeded generator on ``device`` for sampling; None for greedy decoding."""
     if sampling.greedy:
@@ -118,14 +132,10 @@ class AutoregressiveDecoder:
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
         prefill_time = time.perf_counter() - start
         tokens: list[int] = []
-        stop_reason = "max_new_tokens"
         while True:
             token = sample_from_logits(out.logits[0, -1], self.sampling, generator)
-            tokens.append(token)
-            if token in self.eos_ids:
-                stop_reason = "eos"
-                break
-            if len(tokens) >= max_new_tokens:
+            stop_reason = extend_until_stop(tokens, [token], self.eos_ids, max_new_tokens)
+            if stop_reason:
                 break
             out = self.model(
                 input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True

@@ -27,7 +27,7 @@ from ..drafters.middle import MiddleDrafter
 from ..drafters.ngram import NGramConfig, NGramDrafter
 from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
 from ..tree import MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_to_budget
-from .autoregressive import GenerationResult, eos_token_ids, make_generator, prepare_prompt
+from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, make_generator, prepare_prompt
 from ..model_io import cache_length, forward_hidden, keep_cache_positions, lm_logits, new_cache
 from .sampling import SamplingConfig
 from .verify import accept_greedy, accept_sampling
@@ -459,19 +459,11 @@ class TreeGraftDecoder:
         root = prompt_ids[-1]
         tokens: list[int] = []
         turns: list[dict] = []
-        stop_reason = "max_new_tokens"
-        while len(tokens) < max_new_tokens:
+        stop_reason = None
+        while stop_reason is None:
             emitted, stats = self._turn(root, generator)
             turns.append(stats)
-            for token in emitted:
-                tokens.append(token)
-                if token in self.eos_ids:
-                    stop_reason = "eos"
-                    break
-                if len(tokens) >= max_new_tokens:
-                    break
-            if stop_reason == "eos":
-                break
+            stop_reason = extend_until_stop(tokens, emitted, self.eos_ids, max_new_tokens)
             root = emitted[-1]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
