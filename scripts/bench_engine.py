@@ -15,6 +15,8 @@ outputs/bench/<pair>/engine.csv (one row per method and dtype) and verify_curve.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import random
 import statistics
 import sys
@@ -35,7 +37,7 @@ from treegraft.data import BenchmarkConfig, format_prompt, load_benchmark
 from treegraft.decoding.budget import measure_verify_curve
 from treegraft.decoding.equality import compare_outputs
 from treegraft.decoding.factory import build_decoder
-from treegraft.decoding import TreeGraftDecoder
+from treegraft.decoding import GenerationResult, TreeGraftDecoder
 from treegraft.decoding.factory import tree_config_from
 from treegraft.drafters import NGramConfig, NGramDrafter
 from treegraft.scheduling import FixedScheduler
@@ -73,6 +75,25 @@ def ngram_cost_ms(tokens: list[int], top_m: int, calls: int = 2000, seed: int = 
     return (time.perf_counter() - t0) / calls * 1000
 
 
+def save_run(path: Path, key: dict, results: list) -> None:
+    """One method's outputs and times, so a later invocation can reuse them (e.g. ar as the reference)."""
+    data = {"key": key, "results": [{"tokens": r.tokens, "prompt_tokens": r.prompt_tokens, "wall_time_s": r.wall_time_s,
+                                     "prefill_time_s": r.prefill_time_s, "stop_reason": r.stop_reason,
+                                     "turns": r.turns} for r in results]}
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.replace(path)
+
+
+def load_run(path: Path, key: dict) -> list | None:
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    if data["key"] != key:
+        return None
+    return [GenerationResult(**r) for r in data["results"]]
+
+
 class SignalTimer(FixedScheduler):
     """The fixed schedule, but asking for the tree signals so their cost shows in `schedule_s`."""
 
@@ -88,7 +109,7 @@ def signals_cost_ms(pair, tree: dict, prompts, max_new_tokens: int) -> float:
     return 1000 * sum(t.get("schedule_s", 0.0) for t in turns) / max(steps, 1)
 
 
-def summarize(method: str, results: list, ar_time: float | None, reports: list) -> dict:
+def summarize(method: str, results: list, ar_time: float | None, reports: list, decoder=None) -> dict:
     new_tokens = sum(r.new_tokens for r in results)
     wall = sum(r.wall_time_s for r in results)
     turns = [t for r in results for t in r.turns]
@@ -96,6 +117,8 @@ def summarize(method: str, results: list, ar_time: float | None, reports: list) 
         n = sum(t[key_n] for t in turns)
         return 1000 * sum(t[key_s] for t in turns) / n if n else float("nan")
     turn_s = sum(t["turn_s"] for t in turns)
+    steps = sum(len(t.get("schedule", ())) for t in turns)
+    budget = decoder.budget() if isinstance(decoder, TreeGraftDecoder) else None
     return {
         "method": method,
         "prompts": len(results),
@@ -104,12 +127,27 @@ def summarize(method: str, results: list, ar_time: float | None, reports: list) 
         "tokens_per_s": new_tokens / wall if wall else float("nan"),
         "speedup": (ar_time / wall) if ar_time else float("nan"),
         "mean_al": statistics.mean(t["accepted"] for t in turns) if turns else float("nan"),
+        "budget": budget,
+        # middle-drafter forwards per drafting step (steps left out as beyond the budget count as skips)
+        "call_rate": sum(t["middle_calls"] for t in turns) / steps if steps else float("nan"),
+        "mean_tree_nodes": statistics.mean(t["tree_nodes"] for t in turns) if turns else float("nan"),
         "middle_ms_per_call": per_call("middle_s", "middle_calls"),
         "ngram_ms_per_call": per_call("small_s", "small_calls"),
         "outside_share": sum(t["outside_forward_s"] for t in turns) / turn_s if turn_s else float("nan"),
         "mismatches": sum(not rep.equal for rep in reports),
         "mismatches_unexplained": sum(not rep.equal and not rep.explained_by_tie for rep in reports),
     }
+
+
+def write_csv(csv: Path, df: pd.DataFrame, dtype: str) -> None:
+    """Atomically write the rows, replacing earlier rows of the same dtype and method."""
+    if csv.exists():
+        old = pd.read_csv(csv)
+        old = old[~((old["dtype"] == dtype) & old["method"].isin(df["method"]))]
+        df = pd.concat([old, df], ignore_index=True)
+    tmp = csv.with_suffix(".csv.tmp")
+    df.to_csv(tmp, index=False)
+    tmp.replace(csv)
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench_engine")
@@ -126,11 +164,28 @@ def main(cfg: DictConfig) -> None:
     target_fp32 = pair.target if cfg.dtype == "float32" else None
     outputs: dict[str, list] = {}
     rows = []
-    for method in cfg.methods:
+    runs_dir = out_dir / f"runs_{cfg.dtype}"
+    runs_dir.mkdir(exist_ok=True)
+    prompt_hash = hashlib.sha256(json.dumps([ids for _, _, ids in prompts]).encode()).hexdigest()[:16]
+    methods = list(cfg.methods)
+    if "ar" not in methods:
+        ar_prev = load_run(runs_dir / "ar.json", {"prompts": prompt_hash, "max_new_tokens": cfg.max_new_tokens,
+                                                  "tree": None})
+        if ar_prev is not None:  # the reference from an earlier invocation on the same prompts
+            outputs["ar"] = ar_prev
+            console.print("ar: reusing the saved reference run")
+    for method in methods:
         decoder = build_decoder(method, pair, tree)
-        decoder.generate(prompts[0][2], 8)  # warm-up, not scored
-        results = [decoder.generate(ids, cfg.max_new_tokens)
-                   for _, _, ids in tqdm(prompts, desc=method, file=sys.stderr)]
+        key = {"prompts": prompt_hash, "max_new_tokens": cfg.max_new_tokens,
+               "tree": tree if isinstance(decoder, TreeGraftDecoder) else None}
+        results = load_run(runs_dir / f"{method}.json", key) if cfg.resume else None
+        if results is None:
+            decoder.generate(prompts[0][2], 8)  # warm-up, not scored
+            results = [decoder.generate(ids, cfg.max_new_tokens)
+                       for _, _, ids in tqdm(prompts, desc=method, file=sys.stderr)]
+            save_run(runs_dir / f"{method}.json", key, results)
+        else:
+            console.print(f"{method}: reusing the saved run")
         outputs[method] = results
         reports = []
         if method != "ar" and "ar" in outputs:
@@ -139,38 +194,32 @@ def main(cfg: DictConfig) -> None:
             reports = [compare_outputs(a.tokens, r.tokens, ids, target_fp32, cfg.tie_tolerance)
                        for (_, _, ids), r, a in zip(prompts, results, outputs["ar"])]
         ar_time = sum(r.wall_time_s for r in outputs["ar"]) if "ar" in outputs else None
-        rows.append({"dtype": cfg.dtype, **summarize(method, results, ar_time, reports)})
+        rows.append({"dtype": cfg.dtype, **summarize(method, results, ar_time, reports, decoder)})
         console.print(rows[-1])
+        write_csv(out_dir / "engine.csv", pd.DataFrame(rows), cfg.dtype)
 
     df = pd.DataFrame(rows)
     table = Table(title=f"engine on {cfg.pair.name} ({cfg.dtype}, {len(prompts)} prompts x {cfg.max_new_tokens} tokens)")
-    cols = ["method", "tokens_per_s", "speedup", "mean_al", "middle_ms_per_call", "ngram_ms_per_call",
-            "outside_share", "mismatches", "mismatches_unexplained"]
+    cols = ["method", "tokens_per_s", "speedup", "mean_al", "call_rate", "budget", "middle_ms_per_call",
+            "ngram_ms_per_call", "outside_share", "mismatches", "mismatches_unexplained"]
     for c in cols:
         table.add_column(c)
     for _, r in df.iterrows():
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     console.print(table)
 
-    csv = out_dir / "engine.csv"
-    if csv.exists():  # keep the other dtype's rows
-        old = pd.read_csv(csv)
-        df = pd.concat([old[old["dtype"] != cfg.dtype], df], ignore_index=True)
-    tmp = csv.with_suffix(".csv.tmp")
-    df.to_csv(tmp, index=False)
-    tmp.replace(csv)
-
-    curve = measure_verify_curve(pair.target, context=cfg.curve_context, sizes=list(cfg.curve_sizes),
-                                 max_size=max(cfg.curve_sizes))
-    base = curve[min(curve)]
-    ct = Table(title=f"verification latency at a {cfg.curve_context}-token context ({cfg.dtype})")
-    for c in ("tree size", "ms", "x one-token forward"):
-        ct.add_column(c)
-    for n, s in curve.items():
-        ct.add_row(str(n), f"{1000 * s:.1f}", f"{s / base:.2f}")
-    console.print(ct)
-    pd.DataFrame({"tree_size": list(curve), "seconds": list(curve.values()), "dtype": cfg.dtype}).to_csv(
-        out_dir / f"verify_curve_{cfg.dtype}.csv", index=False)
+    if cfg.curve:
+        curve = measure_verify_curve(pair.target, context=cfg.curve_context, sizes=list(cfg.curve_sizes),
+                                     max_size=max(cfg.curve_sizes))
+        base = curve[min(curve)]
+        ct = Table(title=f"verification latency at a {cfg.curve_context}-token context ({cfg.dtype})")
+        for c in ("tree size", "ms", "x one-token forward"):
+            ct.add_column(c)
+        for n, s in curve.items():
+            ct.add_row(str(n), f"{1000 * s:.1f}", f"{s / base:.2f}")
+        console.print(ct)
+        pd.DataFrame({"tree_size": list(curve), "seconds": list(curve.values()), "dtype": cfg.dtype}).to_csv(
+            out_dir / f"verify_curve_{cfg.dtype}.csv", index=False)
 
     long_ctx = [t for _, _, ids in prompts for t in ids]
     while len(long_ctx) < cfg.ngram_context:

@@ -10,7 +10,7 @@ import torch
 
 from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
 from treegraft.scheduling import SIGNAL_NAMES, FixedScheduler, tree_signals
-from treegraft.tree import MIDDLE, SMALL, DraftTree
+from treegraft.tree import MIDDLE, SMALL, DraftTree, prune_to_budget
 
 REPEATING = "abcabc abcabc abcabc abc"
 
@@ -161,3 +161,32 @@ def test_csd_drafts_a_chain_and_same_model_accepts_all(tiny_pair):
     assert out.tokens == AutoregressiveDecoder(target, set()).generate(ids, 30).tokens
     assert all(t["verified_nodes"] == 5 for t in out.turns)  # a chain of D nodes, nothing else
     assert sum(t["accepted"] == 5 for t in out.turns) >= len(out.turns) - 1
+
+
+def kept_paths(decoder, ids, schedule):
+    """The pruned tree of one turn as {token path: cum score}, plus the turn's middle calls."""
+    decoder._prefill(ids)
+    stats = empty_stats()
+    tree = decoder.build_tree(ids[-1], schedule, stats)
+    kept = prune_to_budget(tree, decoder.budget())
+    return {tuple(tree.path_tokens(n)): round(tree.cum[n], 4) for n in kept}, stats["middle_calls"]
+
+
+@pytest.mark.parametrize("method", ["all_small", "all_mid", "fixed", "no_nondestructive", "no_expanded_selection", "csd"])
+@pytest.mark.parametrize("budget", [0, 1, 2, 4])
+def test_skipping_steps_beyond_the_budget_keeps_the_same_verified_tree(tiny_pair, method, budget):
+    tok, target = tiny_pair.tokenizer, tiny_pair.target
+    ids = tok(REPEATING).input_ids
+    schedules = list(itertools.product([0, 1], repeat=5)) if method == "fixed" else [None]
+    saved_any = False
+    for schedule in schedules:
+        runs = {}
+        for skip in (False, True):
+            cfg = TreeConfig(method=method, budget=budget, width=4, top_m=4, skip_beyond_budget=skip)
+            dec = TreeGraftDecoder(target, tiny_pair.middle, tok, cfg)
+            runs[skip] = kept_paths(dec, ids, list(schedule) if schedule else cfg.actions())
+        assert runs[True][0] == runs[False][0], (schedule, runs)
+        assert runs[True][1] <= runs[False][1]
+        saved_any |= runs[True][1] < runs[False][1]
+    if method != "all_small" and budget <= 1:
+        assert saved_any, "a budget of 0 or 1 node should let some middle calls go"

@@ -79,6 +79,9 @@ class TreeConfig:
     schedule: the fixed schedule (1 = call the middle drafter, 0 = skip) of ``fixed`` and the ablations.
     grafting / expanded_selection: override the method's preset (``nondestructive|destructive``, bool).
     max_calls_per_turn: optional per-turn budget of middle-drafter calls (later steps are forced to skip).
+    skip_beyond_budget: leave out the work of a step that cannot change the pruned tree (every node it
+        could add or rescore lies deeper than B_ver, so pruning would drop it); the verified tree is the
+        same, only the wasted drafter calls go. Matters where B_ver is small (``auto`` on a CPU).
     """
 
     method: str = "all_small"
@@ -94,6 +97,7 @@ class TreeConfig:
     ngram: NGramConfig = field(default_factory=NGramConfig)
     auto_latency_ratio: float = 2.0
     auto_max_budget: int = 64
+    skip_beyond_budget: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.ngram, dict):
@@ -273,6 +277,19 @@ class TreeGraftDecoder:
         stats["middle_s"] += time.perf_counter() - start
         stats["middle_calls"] += 1
 
+    def _graft_is_beyond(self, tree: DraftTree, step: int, horizon: int, rescored_from: int) -> bool:
+        """True when a shared middle step cannot change the tree pruned to ``horizon`` nodes: every node
+        it could select has depth >= horizon (its children would be deeper), and every node whose score
+        it would newly rescore (added since the last rescoring) has depth > horizon."""
+        depth, alive = tree.depth, tree.alive
+        if any(alive[n] and depth[n] <= horizon for n in range(rescored_from, len(tree))):
+            return False
+        if self.cfg.preset.expanded_selection:
+            pool = [n for n in range(len(tree)) if alive[n] and not tree.visited[n]]
+        else:
+            pool = [n for n in self._newest_pool(tree, step) if not tree.visited[n]]
+        return all(depth[n] >= horizon for n in pool)
+
     def step_state(self, tree: DraftTree, step: int, history: list[int], with_signals: bool) -> StepState:
         """The scheduler's view before step ``step``'s action (SPEC 5.1)."""
         signals = None
@@ -298,6 +315,8 @@ class TreeGraftDecoder:
         mid = self.middle
         mid.start_turn()
         depth = self.cfg.depth
+        if self.cfg.skip_beyond_budget:
+            depth = min(depth, self.budget())  # chain tokens past B_ver would be pruned anyway
         end = 0
         while tree.depth[end] < depth:
             t0 = time.perf_counter()
@@ -349,6 +368,8 @@ class TreeGraftDecoder:
         if self.middle is not None:
             self.middle.start_turn()
         shared = self.cfg.preset.shared
+        horizon = self.budget() if self.cfg.skip_beyond_budget else None
+        rescored_from = 1  # nodes with id >= this were added since the last middle rescoring
         calls = 0
         done: list[int] = []
         for step in range(1, self.cfg.depth + 1):
@@ -367,13 +388,20 @@ class TreeGraftDecoder:
                 action = SMALL
             done.append(action)
             if action == MIDDLE and shared:
+                if horizon is not None and self._graft_is_beyond(tree, step, horizon, rescored_from):
+                    stats["skipped_steps"] = stats.get("skipped_steps", 0) + 1
+                    continue
                 self._graft_middle(tree, step, stats)
+                rescored_from = len(tree)
                 calls += 1
                 continue
             pool = self._newest_pool(tree, step)
             if not pool:
                 continue
             selected = self._top_w(tree, pool)
+            if horizon is not None and all(tree.depth[n] >= horizon for n in selected):
+                stats["skipped_steps"] = stats.get("skipped_steps", 0) + 1
+                continue  # every child would sit deeper than B_ver
             if action == MIDDLE:
                 self._expand_middle(tree, selected, step, stats)
                 calls += 1
