@@ -137,6 +137,18 @@ class TreeConfig:
         return list(self.schedule)
 
 
+@dataclass
+class BuildState:
+    """Per-turn construction state next to the tree (copy both to branch a construction)."""
+
+    done: list[int] = field(default_factory=list)  # actions taken so far
+    calls: int = 0  # middle-drafter calls so far
+    rescored_from: int = 1  # nodes with id >= this were added since the last middle rescoring
+
+    def copy(self) -> "BuildState":
+        return BuildState(list(self.done), self.calls, self.rescored_from)
+
+
 class TreeGraftDecoder:
     """Tree speculative decoder; see the module docstring."""
 
@@ -364,14 +376,7 @@ class TreeGraftDecoder:
         """
         if self.cfg.preset.csd:
             return self._build_csd_chain(root_token, stats)
-        tree = DraftTree.with_root(root_token)
-        if self.middle is not None:
-            self.middle.start_turn()
-        shared = self.cfg.preset.shared
-        horizon = self.budget() if self.cfg.skip_beyond_budget else None
-        rescored_from = 1  # nodes with id >= this were added since the last middle rescoring
-        calls = 0
-        done: list[int] = []
+        tree, build = self.start_tree(root_token)
         for step in range(1, self.cfg.depth + 1):
             if len(tree) >= self.cfg.node_cap:
                 break
@@ -379,45 +384,60 @@ class TreeGraftDecoder:
                 action = int(actions[step - 1])
             else:
                 t0 = time.perf_counter()
-                state = self.step_state(tree, step, done, self.scheduler.needs_signals)
+                state = self.step_state(tree, step, build.done, self.scheduler.needs_signals)
                 action = int(self.scheduler.decide(state))
                 stats["schedule_s"] = stats.get("schedule_s", 0.0) + time.perf_counter() - t0
-            if action == MIDDLE and self.middle is None:
-                raise ValueError("the scheduler chose a middle-drafter call, but there is no middle drafter")
-            if action == MIDDLE and self.cfg.max_calls_per_turn is not None and calls >= self.cfg.max_calls_per_turn:
-                action = SMALL
-            done.append(action)
-            if action == MIDDLE and shared:
-                if horizon is not None and self._graft_is_beyond(tree, step, horizon, rescored_from):
-                    stats["skipped_steps"] = stats.get("skipped_steps", 0) + 1
-                    continue
-                self._graft_middle(tree, step, stats)
-                rescored_from = len(tree)
-                calls += 1
-                continue
-            pool = self._newest_pool(tree, step)
-            if not pool:
-                continue
-            selected = self._top_w(tree, pool)
-            if horizon is not None and all(tree.depth[n] >= horizon for n in selected):
-                stats["skipped_steps"] = stats.get("skipped_steps", 0) + 1
-                continue  # every child would sit deeper than B_ver
-            if action == MIDDLE:
-                self._expand_middle(tree, selected, step, stats)
-                calls += 1
-            else:
-                self._expand_small(tree, selected, step, stats)
-        stats["schedule"] = done
+            self.apply_step(tree, build, step, action, stats)
+        stats["schedule"] = list(build.done)
         return tree
 
-    # ------------------------------------------------------------------ one turn
-    def _turn(self, root: int, generator, actions: Sequence[int] | None = None) -> tuple[list[int], dict]:
-        turn_start = time.perf_counter()
-        stats = {"small_s": 0.0, "middle_s": 0.0, "verify_s": 0.0, "small_calls": 0, "middle_calls": 0,
-                 "target_forward_s": 0.0, "middle_forward_s": 0.0}
-        tree = self.build_tree(root, actions, stats)
-        kept = prune_to_budget(tree, self.budget())
+    def start_tree(self, root_token: int) -> tuple[DraftTree, "BuildState"]:
+        """A turn's root-only tree and its construction state (the middle drafter starts a new turn)."""
+        if self.middle is not None:
+            self.middle.start_turn()
+        return DraftTree.with_root(root_token), BuildState()
 
+    def apply_step(self, tree: DraftTree, build: "BuildState", step: int, action: int, stats: dict) -> None:
+        """Do drafting step ``step`` with ``action`` (0 = n-gram drafter, 1 = middle drafter) in place."""
+        if len(tree) >= self.cfg.node_cap:
+            build.done.append(SMALL)
+            return
+        if action == MIDDLE and self.middle is None:
+            raise ValueError("the scheduler chose a middle-drafter call, but there is no middle drafter")
+        if action == MIDDLE and self.cfg.max_calls_per_turn is not None and build.calls >= self.cfg.max_calls_per_turn:
+            action = SMALL
+        build.done.append(action)
+        horizon = self.budget() if self.cfg.skip_beyond_budget else None
+        if action == MIDDLE and self.cfg.preset.shared:
+            if horizon is not None and self._graft_is_beyond(tree, step, horizon, build.rescored_from):
+                stats["skipped_steps"] = stats.get("skipped_steps", 0) + 1
+                return
+            self._graft_middle(tree, step, stats)
+            build.rescored_from = len(tree)
+            build.calls += 1
+            return
+        pool = self._newest_pool(tree, step)
+        if not pool:
+            return
+        selected = self._top_w(tree, pool)
+        if horizon is not None and all(tree.depth[n] >= horizon for n in selected):
+            stats["skipped_steps"] = stats.get("skipped_steps", 0) + 1
+            return  # every child would sit deeper than B_ver
+        if action == MIDDLE:
+            self._expand_middle(tree, selected, step, stats)
+            build.calls += 1
+        else:
+            self._expand_small(tree, selected, step, stats)
+
+    # ------------------------------------------------------------------ one turn
+    def verify_tree(self, tree: DraftTree, stats: dict, generator=None):
+        """Prune ``tree`` to B_ver and verify it with one target forward on top of the cache.
+
+        Returns ``(inputs, acceptance)``. The target cache then holds the context plus every verified
+        row; the caller keeps the accepted rows (``keep_cache_positions``) or drops them all
+        (``truncate_cache(cache, int(inputs.position_ids[0]))``).
+        """
+        kept = prune_to_budget(tree, self.budget())
         start = time.perf_counter()
         L = cache_length(self.cache)
         inputs = build_tree_inputs(tree, kept, L)
@@ -444,6 +464,17 @@ class TreeGraftDecoder:
                 return sorted(kids, key=lambda r: (-tree.cum[inputs.node_ids[r]], inputs.node_ids[r]))
 
             acc = accept_sampling(inputs, row_logits, child_order, self.sampling, generator)
+        stats["verify_s"] += time.perf_counter() - start
+        return inputs, acc
+
+    def _turn(self, root: int, generator, actions: Sequence[int] | None = None) -> tuple[list[int], dict]:
+        turn_start = time.perf_counter()
+        stats = {"small_s": 0.0, "middle_s": 0.0, "verify_s": 0.0, "small_calls": 0, "middle_calls": 0,
+                 "target_forward_s": 0.0, "middle_forward_s": 0.0}
+        tree = self.build_tree(root, actions, stats)
+        inputs, acc = self.verify_tree(tree, stats, generator)
+        L = int(inputs.position_ids[0])  # the root sits at the context length
+        start = time.perf_counter()
         keep_cache_positions(self.cache, L, [L + row for row in acc.rows])
         stats["verify_s"] += time.perf_counter() - start
 
@@ -465,7 +496,7 @@ class TreeGraftDecoder:
         stats.update(
             accepted=acc.accepted,
             tree_nodes=len(tree),
-            verified_nodes=len(kept),
+            verified_nodes=inputs.size - 1,
             turn_s=time.perf_counter() - turn_start,
         )
         stats["other_s"] = stats["turn_s"] - stats["small_s"] - stats["middle_s"] - stats["verify_s"]

@@ -16,7 +16,7 @@ import time
 import torch
 from torch import nn
 
-from ..model_io import cache_length, forward_hidden, keep_cache_positions, lm_logits, new_cache
+from ..model_io import cache_length, forward_hidden, keep_cache_positions, lm_logits, new_cache, truncate_cache
 from ..tree import DraftTree
 
 __all__ = ["MiddleDrafter"]
@@ -33,6 +33,7 @@ class MiddleDrafter:
         self.logprobs: dict[int, torch.Tensor] = {}  # node id -> log q_m(. | node) [V], this turn
         self.hidden: dict[int, torch.Tensor] = {}  # node id -> final hidden state [H], this turn
         self.calls = 0
+        self.tokens_encoded = 0  # tokens through the model's forward (context catch-up and tree nodes)
         self.forward_s = 0.0  # seconds inside the model (forwards and LM-head rows), for the time split
 
     def reset(self, prompt_ids: list[int]) -> None:
@@ -48,6 +49,21 @@ class MiddleDrafter:
                 forward_hidden(self.model, self.cache, toks, torch.arange(len(toks), device=self.device), None)
             self.forward_s += time.perf_counter() - start
             self.committed, self.pending = len(self.pending), []
+
+    def snapshot(self) -> tuple:
+        """The turn state (cache length, context bookkeeping, this turn's slots and rows), for :meth:`restore`.
+
+        Within a turn the cache only grows, so restoring is a truncation plus dict copies: schedules
+        that share a prefix can branch from the same state without re-encoding it.
+        """
+        return (cache_length(self.cache), self.committed, list(self.pending), dict(self.slot_of),
+                dict(self.logprobs), dict(self.hidden))
+
+    def restore(self, snap: tuple) -> None:
+        length, self.committed, pending, slot_of, logprobs, hidden = snap
+        if cache_length(self.cache) > length:
+            truncate_cache(self.cache, length)
+        self.pending, self.slot_of, self.logprobs, self.hidden = list(pending), dict(slot_of), dict(logprobs), dict(hidden)
 
     def start_turn(self) -> None:
         self.slot_of, self.logprobs, self.hidden = {}, {}, {}
@@ -114,6 +130,7 @@ class MiddleDrafter:
         hidden = forward_hidden(
             self.model, self.cache, tokens.to(device), positions.to(device), allowed, key_pos.to(device)
         )
+        self.tokens_encoded += q
         self.forward_s += time.perf_counter() - start
         if p:
             self.committed += p

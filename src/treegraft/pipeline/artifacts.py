@@ -1,0 +1,98 @@
+"""Stage artifacts: fixed paths under ``outputs/``, atomic writes, recorded configs and input hashes.
+
+Every stage writes to ``<output_dir>/pipeline/<experiment>/<stage>/`` (not a timestamped folder),
+through a temp file + rename so an interruption never leaves a half-written artifact, and records
+its resolved config (``config.yaml``) and the hashes of the artifacts it read (``inputs.json``).
+A stage whose inputs are missing raises :class:`MissingArtifactError` naming the stage to run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import pandas as pd
+import torch
+
+__all__ = [
+    "MissingArtifactError",
+    "stage_dir",
+    "require",
+    "atomic_write_text",
+    "atomic_write_json",
+    "atomic_write_parquet",
+    "atomic_torch_save",
+    "file_hash",
+    "record_stage",
+]
+
+STAGES = ("collect", "fit", "distill", "evaluate")
+
+
+class MissingArtifactError(FileNotFoundError):
+    """An input artifact of a stage does not exist; the message names the stage that writes it."""
+
+
+def stage_dir(output_dir: str | os.PathLike, experiment: str, stage: str) -> Path:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}; expected one of {STAGES}")
+    return Path(output_dir) / "pipeline" / experiment / stage
+
+
+def require(path: Path, stage: str, experiment: str) -> Path:
+    """``path`` if it exists, else a one-line error saying which stage to run first."""
+    if not Path(path).exists():
+        raise MissingArtifactError(
+            f"missing {path}: run the `{stage}` stage first (make {stage} EXPERIMENT={experiment})"
+        )
+    return Path(path)
+
+
+def _atomic(path: Path, write) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def atomic_write_text(text: str, path: Path) -> None:
+    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def atomic_write_json(obj, path: Path) -> None:
+    atomic_write_text(json.dumps(obj, indent=2, default=str) + "\n", path)
+
+
+def atomic_write_parquet(df: pd.DataFrame, path: Path) -> None:
+    _atomic(path, lambda tmp: df.to_parquet(tmp, index=False))
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    _atomic(path, lambda tmp: torch.save(obj, tmp))
+
+
+def file_hash(path: Path) -> str:
+    """sha256 of a file, or of the sorted file hashes under a directory (first 16 hex digits)."""
+    path = Path(path)
+    h = hashlib.sha256()
+    files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) if path.is_dir() else [path]
+    for f in files:
+        h.update(str(f.relative_to(path) if path.is_dir() else f.name).encode())
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+def record_stage(directory: Path, config_yaml: str, inputs: Iterable[Path] = ()) -> None:
+    """Write the resolved config and the input hashes next to a stage's artifacts."""
+    atomic_write_text(config_yaml, Path(directory) / "config.yaml")
+    atomic_write_json({str(p): file_hash(p) for p in inputs}, Path(directory) / "inputs.json")

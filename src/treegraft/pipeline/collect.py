@@ -1,0 +1,216 @@
+"""Stage `collect` (SPEC 5.2): exhaustive 2^D schedule enumeration on real prompts, rows to Parquet.
+
+For each pair and fitting benchmark: a warm-up that calls the middle drafter at every step gives the
+runtime context (t_tgt, t_mid; not used as data); then each prompt is decoded, and at every sampled
+turn all 2^D schedules are enumerated from the same state (``enumerate_turn``) before the turn is
+decoded normally. One row per (turn, schedule, step): pre-action state (runtime context, history,
+every candidate signal), action, prefix and future suffix, and the schedule's complete-turn AL and
+latency split. The group key is ``report`` = ``<pair>/<benchmark>``.
+
+Resumable: each prompt's rows are one Parquet shard ``collect/<pair>/<benchmark>/q<id>.parquet``,
+written atomically once the prompt is done; a rerun skips finished shards, so nothing is lost or
+duplicated. Per pair, ``cost_model.json`` holds per-call costs fitted by least squares on the
+measured latencies (``latency_label=cost_model`` uses them instead of wall times downstream).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..decoding.autoregressive import extend_until_stop, make_generator, prepare_prompt
+from ..decoding.tree_decoder import TreeGraftDecoder
+from ..scheduling.enumeration import TurnEnumeration, enumerate_turn
+from ..scheduling.features import state_names, state_vector, suffix_names, suffix_vector
+from ..scheduling.policy import FixedScheduler
+from ..scheduling.signals import SIGNAL_NAMES
+from .artifacts import MissingArtifactError, atomic_write_json, atomic_write_parquet
+
+__all__ = [
+    "measure_runtime_context",
+    "decode_with_enumeration",
+    "enumeration_rows",
+    "fit_cost_model",
+    "load_rows",
+    "COST_FEATURES",
+]
+
+COST_FEATURES = ("small_calls", "middle_calls", "middle_tokens", "verified_nodes")
+
+
+@torch.inference_mode()
+def measure_runtime_context(decoder: TreeGraftDecoder, prompt_ids: Sequence[int], max_new_tokens: int = 16) -> tuple[float, float]:
+    """(t_tgt, t_mid) in ms from a warm-up that calls the middle drafter at every step; sets them on the decoder.
+
+    t_tgt = mean target verification forward per turn; t_mid = mean middle-drafter forward per call.
+    """
+    saved = decoder.scheduler
+    decoder.scheduler = FixedScheduler([1] * decoder.cfg.depth)
+    try:
+        result = decoder.generate(prompt_ids, max_new_tokens)
+    finally:
+        decoder.scheduler = saved
+    turns = result.turns
+    t_tgt = 1000 * sum(t["target_forward_s"] for t in turns) / max(len(turns), 1)
+    calls = sum(t["middle_calls"] for t in turns)
+    t_mid = 1000 * sum(t["middle_forward_s"] for t in turns) / calls if calls else 0.0
+    decoder.t_tgt_ms, decoder.t_mid_ms = t_tgt, t_mid
+    return t_tgt, t_mid
+
+
+@torch.inference_mode()
+def decode_with_enumeration(
+    decoder: TreeGraftDecoder,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    should_enumerate: Callable[[int], bool] = lambda turn: True,
+) -> tuple[list[int], list[tuple[int, TurnEnumeration]]]:
+    """Decode greedily; before every turn with ``should_enumerate(turn)``, enumerate all schedules.
+
+    Returns (new tokens, [(turn index, enumeration)]). The output equals the decoder's own.
+    """
+    prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, decoder.target)
+    decoder.budget()
+    generator = make_generator(decoder.sampling, decoder.device)
+    decoder.prompt_len = len(prompt_ids)
+    decoder._prefill(prompt_ids)
+    root = prompt_ids[-1]
+    tokens: list[int] = []
+    enumerations = []
+    turn = 0
+    while True:
+        if should_enumerate(turn):
+            enumerations.append((turn, enumerate_turn(decoder, root)))
+        emitted, _ = decoder._turn(root, generator)
+        turn += 1
+        if extend_until_stop(tokens, emitted, decoder.eos_ids, max_new_tokens) is not None:
+            return tokens, enumerations
+        root = emitted[-1]
+
+
+def enumeration_rows(en: TurnEnumeration, depth: int, meta: dict) -> list[dict]:
+    """One row per (schedule, step) of one enumerated turn; ``meta`` (pair, benchmark, ...) is copied in."""
+    names = state_names(depth, SIGNAL_NAMES)
+    features = {prefix: dict(zip(names, state_vector(state, SIGNAL_NAMES).tolist())) for prefix, state in en.states.items()}
+    sfx_names = suffix_names(depth)
+    rows = []
+    for schedule, out in en.outcomes.items():
+        for step in range(1, depth + 1):
+            prefix, suffix = schedule[: step - 1], schedule[step:]
+            rows.append({
+                **meta,
+                "schedule": schedule,
+                "step": step,
+                "action": int(schedule[step - 1]),
+                "prefix": prefix,
+                "suffix": suffix,
+                **features[prefix],
+                **dict(zip(sfx_names, suffix_vector(step, suffix, depth).tolist())),
+                "accepted": out.accepted,
+                "latency_measured_s": out.latency_s,
+                "small_s": out.small_s,
+                "middle_s": out.middle_s,
+                "verify_s": out.verify_s,
+                "small_calls": out.small_calls,
+                "middle_calls": out.middle_calls,
+                "middle_tokens": out.middle_tokens,
+                "tree_nodes": out.tree_nodes,
+                "verified_nodes": out.verified_nodes,
+            })
+    return rows
+
+
+def fit_cost_model(rows: pd.DataFrame) -> dict:
+    """Per-call costs: latency = c0 + sum_k c_k * feature_k (non-negative least squares over schedules)."""
+    from sklearn.linear_model import LinearRegression
+
+    per_schedule = rows[rows["step"] == 1]  # one row per (turn, schedule)
+    x = per_schedule[list(COST_FEATURES)].to_numpy(np.float64)
+    y = per_schedule["latency_measured_s"].to_numpy(np.float64)
+    reg = LinearRegression(positive=True).fit(x, y)
+    pred = reg.predict(x)
+    r2 = 1 - np.sum((y - pred) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-18)
+    return {"intercept_s": float(reg.intercept_), **{f"{k}_s": float(c) for k, c in zip(COST_FEATURES, reg.coef_)},
+            "r2": float(r2), "schedules": int(len(per_schedule))}
+
+
+def apply_cost_model(rows: pd.DataFrame, model: dict) -> np.ndarray:
+    lat = np.full(len(rows), model["intercept_s"])
+    for k in COST_FEATURES:
+        lat = lat + model[f"{k}_s"] * rows[k].to_numpy(np.float64)
+    return np.maximum(lat, 1e-6)
+
+
+def load_rows(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str], experiment: str,
+              latency_label: str = "measured") -> pd.DataFrame:
+    """All collected rows of ``pairs`` x ``benchmarks``, with the ``latency_s`` label set.
+
+    ``latency_label``: ``measured`` (wall times) or ``cost_model`` (each pair's fitted per-call costs).
+    """
+    if latency_label not in ("measured", "cost_model"):
+        raise ValueError(f"latency_label must be measured or cost_model, got {latency_label!r}")
+    frames = []
+    for pair in pairs:
+        pair_rows = []
+        for bench in benchmarks:
+            shards = sorted((Path(collect_dir) / pair / bench).glob("q*.parquet"))
+            if not shards:
+                raise MissingArtifactError(
+                    f"no collected rows for pair {pair}, benchmark {bench} under {collect_dir}: "
+                    f"run the `collect` stage first (make collect EXPERIMENT={experiment})"
+                )
+            pair_rows += [pd.read_parquet(p) for p in shards]
+        df = pd.concat(pair_rows, ignore_index=True)
+        if latency_label == "cost_model":
+            path = Path(collect_dir) / pair / "cost_model.json"
+            if not path.exists():
+                raise MissingArtifactError(f"missing {path}: rerun `collect` (make collect EXPERIMENT={experiment})")
+            df["latency_s"] = apply_cost_model(df, json.loads(path.read_text()))
+        else:
+            df["latency_s"] = df["latency_measured_s"]
+        frames.append(df)
+    return pd.concat(frames, ignore_index=True)
+
+
+def write_shard(rows: list[dict], path: Path) -> None:
+    atomic_write_parquet(pd.DataFrame(rows), path)
+
+
+def turn_summary(en: TurnEnumeration) -> dict:
+    """Oracle and endpoint throughput of a turn, and what prefix sharing saved."""
+    taus = {s: en.throughput(s) for s in en.outcomes}
+    independent = sum(o.latency_s for o in en.outcomes.values())  # 2^D separate constructions
+    return {"oracle_tau": max(taus.values()), "all_skip_tau": taus["0" * len(next(iter(taus)))],
+            "all_call_tau": taus["1" * len(next(iter(taus)))], "wall_s": en.wall_s, "independent_s": independent,
+            "steps_run": en.steps_run}
+
+
+def shard_path(collect_dir: Path, pair: str, benchmark: str, question_id: int) -> Path:
+    return Path(collect_dir) / pair / benchmark / f"q{question_id}.parquet"
+
+
+def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict) -> tuple[list[dict], list[dict]]:
+    """Decode one prompt with enumeration; (rows, per-turn summaries)."""
+    every, cap = int(cfg.enumerate_every), cfg.max_enumerated_turns
+
+    def should(turn: int) -> bool:
+        return turn % every == 0 and (cap is None or turn // every < int(cap))
+
+    _, enumerations = decode_with_enumeration(decoder, prompt_ids, int(cfg.max_new_tokens), should)
+    rows, summaries = [], []
+    for turn, en in enumerations:
+        rows += enumeration_rows(en, decoder.cfg.depth, {**meta, "turn": turn})
+        summaries.append(turn_summary(en))
+    return rows, summaries
+
+
+def timed(fn, *args, **kwargs):
+    t0 = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0
