@@ -16,12 +16,16 @@ MODEL_LIST := $(if $(filter default,$(MODELS)),$(MODELS_DEFAULT),$(if $(filter a
 # The test suite needs only SmolLM2 (and builds the tiny random models itself).
 TEST_MODELS := smollm2-135m
 
+# Pipeline experiment (conf/experiment/<name>.yaml): smoke (tiny pair, CI); empty = conf defaults.
+EXPERIMENT ?=
+EXP_ARG := $(if $(EXPERIMENT),experiment=$(EXPERIMENT))
+
 PAIR ?= qwen-coder-1.5b__0.5b
 PROMPT ?= Write a Python function that checks whether a number is prime.
 MAX_NEW_TOKENS ?= 128
 
 .DEFAULT_GOAL := help
-.PHONY: help all setup models demo test test-fast bench-models clean-models
+.PHONY: help all setup models demo test test-fast bench-models clean-models collect fit distill
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -49,6 +53,15 @@ models: setup ## convert the MODELS (default: Qwen pair + SmolLM2; MODELS=all ad
 
 demo: models ## generate with PAIR (default qwen-coder-1.5b__0.5b) for PROMPT, printing the text and tokens/s
 	$(VPY) -m treegraft.generate pair=$(PAIR) method=ar max_new_tokens=$(MAX_NEW_TOKENS) prompt="$(PROMPT)"
+
+collect: $(VENV)/.deps ## enumerate all 2^D schedules on real prompts -> outputs/pipeline/<exp>/collect (EXPERIMENT=smoke|...)
+	$(VPY) scripts/collect.py $(EXP_ARG)
+
+fit: $(VENV)/.deps ## signal selection by grouped OOF + the four value heads -> outputs/pipeline/<exp>/fit
+	$(VPY) scripts/fit.py $(EXP_ARG)
+
+distill: $(VENV)/.deps ## margin teacher, distilled scheduler, offline evaluation -> outputs/pipeline/<exp>/distill
+	$(VPY) scripts/distill.py $(EXP_ARG)
 
 test: $(VENV)/.deps $(VENV)/.pkg-$(TEST_MODELS) ## run the whole test suite (converts SmolLM2 first if needed)
 	$(VPY) scripts/prepare_models.py --models $(TEST_MODELS)

@@ -214,3 +214,79 @@ def timed(fn, *args, **kwargs):
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
     return out, time.perf_counter() - t0
+
+
+def run_collect(cfg) -> pd.DataFrame:
+    """The `collect` stage for every pair of ``cfg.pipeline.pairs``; returns the summary table."""
+    import sys
+
+    from omegaconf import OmegaConf
+    from rich.console import Console
+    from tqdm.auto import tqdm
+
+    from ..decoding.factory import tree_config_from
+    from ..models import load_pair
+    from .artifacts import record_stage, stage_dir
+    from .common import pair_spec, print_table, stage_prompts, to_markdown
+
+    console = Console(width=200, stderr=True)
+    p = cfg.pipeline
+    out_dir = stage_dir(cfg.paths.output_dir, p.name, "collect")
+    tree = OmegaConf.to_container(cfg.tree, resolve=True)
+    summary = []
+    for pair_name in p.pairs:
+        spec = pair_spec(pair_name)
+        pair = load_pair(spec, dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
+        decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree))
+        budget = decoder.budget()
+        prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(p.prompts_per_benchmark), int(p.prompt_offset))
+                   for b in p.fit_benchmarks}
+        warm_ids = next(iter(prompts.values()))[0][1]
+        t_tgt, t_mid = measure_runtime_context(decoder, warm_ids, int(p.warmup_tokens))
+        atomic_write_json({"pair": pair_name, "budget": budget, "t_tgt_ms": t_tgt, "t_mid_ms": t_mid,
+                           "verify_curve": decoder.verify_curve}, out_dir / pair_name / "runtime.json")
+        console.print(f"[bold]{pair_name}[/]: B_ver={budget}, t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")
+        jobs = [(b, qid, ids) for b, items in prompts.items() for qid, ids in items]
+        done = 0
+        for bench, qid, ids in tqdm(jobs, desc=f"collect {pair_name}", file=sys.stderr):
+            path = shard_path(out_dir, pair_name, bench, qid)
+            if path.exists():  # finished before an interruption
+                done += 1
+                continue
+            meta = {"pair": pair_name, "benchmark": bench, "report": f"{pair_name}/{bench}", "question_id": qid}
+            (rows, summaries), wall = timed(run_prompt, decoder, ids, p, meta)
+            for r in rows:  # the enumeration cost of the row's turn, for the prefix-sharing figure
+                s = summaries[r["turn"] // int(p.enumerate_every)] if summaries else None
+                r["enum_wall_s"], r["enum_independent_s"] = s["wall_s"], s["independent_s"]
+            if rows:
+                write_shard(rows, path)
+        if done:
+            console.print(f"{pair_name}: {done} prompt(s) already collected, skipped")
+        pair_rows = load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name)
+        cost = fit_cost_model(pair_rows)
+        atomic_write_json(cost, out_dir / pair_name / "cost_model.json")
+        for bench, g in pair_rows.groupby("benchmark", sort=False):
+            first = g[g["step"] == 1]
+            tau = (first["accepted"] + 1) / first["latency_s"]
+            per_turn = first.assign(tau=tau).groupby(["question_id", "turn"])
+            enum = g.drop_duplicates(["question_id", "turn"])
+            summary.append({
+                "pair": pair_name, "benchmark": bench, "prompts": g["question_id"].nunique(),
+                "turns": len(per_turn), "rows": len(g),
+                "enum_wall_s": float(enum["enum_wall_s"].sum()),
+                "sharing_saving": float(enum["enum_independent_s"].sum() / max(enum["enum_wall_s"].sum(), 1e-9)),
+                "oracle_tau": float(per_turn["tau"].max().mean()),
+                "all_skip_tau": float(first[first["schedule"] == "0" * int(cfg.tree.depth)].eval("(accepted + 1) / latency_s").mean()),
+                "all_call_tau": float(first[first["schedule"] == "1" * int(cfg.tree.depth)].eval("(accepted + 1) / latency_s").mean()),
+            })
+        del pair, decoder
+    df = pd.DataFrame(summary)
+    from .artifacts import atomic_write_text
+
+    atomic_write_parquet(df, out_dir / "summary.parquet")
+    atomic_write_text(to_markdown(df), out_dir / "summary.md")
+    record_stage(out_dir, OmegaConf.to_yaml(cfg, resolve=True),
+                 [Path(cfg.paths.benchmarks_dir) / b / "question.jsonl" for b in p.fit_benchmarks])
+    print_table(df, f"collect ({p.name}): rows per report", console)
+    console.print(f"rows in total: {int(df['rows'].sum())}")
+    return df

@@ -78,15 +78,15 @@ class Standardized(nn.Module):
 
     @torch.inference_mode()
     def predict(self, x: np.ndarray) -> np.ndarray:
-        return self(torch.as_tensor(x, dtype=torch.float32)).numpy().astype(np.float64)
+        return self(torch.tensor(np.asarray(x), dtype=torch.float32)).numpy().astype(np.float64)
 
 
 def train_mlp(x: np.ndarray, y: np.ndarray, cfg: MLPConfig, hidden: Sequence[int] | None = None) -> Standardized:
     """Full-batch Adam on the mean squared error of z-scored targets (deterministic for a seed)."""
     torch.manual_seed(cfg.seed)
     model = Standardized(x.shape[1], hidden or cfg.hidden)
-    xt = torch.as_tensor(x, dtype=torch.float32)
-    yt = torch.as_tensor(y, dtype=torch.float32)
+    xt = torch.tensor(np.asarray(x), dtype=torch.float32)
+    yt = torch.tensor(np.asarray(y), dtype=torch.float32)
     sd = xt.std(0)
     model.x_mean.copy_(xt.mean(0))
     model.x_std.copy_(torch.where(sd > 1e-8, sd, torch.ones_like(sd)))

@@ -1,0 +1,33 @@
+"""Stage `distill`: margin teacher, distilled margin predictor and offline evaluation (SPEC 5.4-5.5).
+
+Run:
+    make distill EXPERIMENT=smoke
+    python scripts/distill.py experiment=cpu
+
+Reads collect/ and fit/; writes outputs/pipeline/<experiment>/distill/ (scheduler.pt +
+scheduler.meta.json, offline_eval.md, distill.json).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from treegraft.config import CONF_DIR
+from treegraft.pipeline.artifacts import MissingArtifactError
+from treegraft.pipeline.distill import run_distill
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="distill")
+def main(cfg: DictConfig) -> None:
+    try:
+        run_distill(cfg)
+    except (MissingArtifactError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

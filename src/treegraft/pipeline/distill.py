@@ -1,0 +1,136 @@
+"""Stage `distill` (SPEC 5.4, 5.5): teacher margins, the margin predictor, offline evaluation.
+
+Reads the collected rows and the fitted value heads; writes ``scheduler.pt`` + ``scheduler.meta.json``
+(the deployed policy: feature order, signals, depth), ``offline_eval.{csv,md}`` and
+``distill.json`` (teacher/student sign agreement, per-decision cost).
+
+Offline evaluation is cross-fitted: for each grouped fold (reports never straddle folds), the value
+heads and the predictor are refitted on the training reports, and every policy is followed through
+the held-out reports' enumerations. So each number is out-of-sample, as the paper's B.5/B.6.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pandas as pd
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+
+from ..scheduling.features import state_names
+from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor, teacher_margins
+from ..scheduling.offline import TURN_KEYS, evaluate_policies, state_rows
+from ..scheduling.policy import StepState
+from ..scheduling.signals import SIGNAL_NAMES
+from ..scheduling.value import ValueSystem, fit_value_system, grouped_folds
+from .artifacts import atomic_write_json, atomic_write_text, record_stage, require, stage_dir
+from .collect import load_rows
+from .common import fit_pairs, print_table, to_markdown
+from .fit import mlp_config
+
+__all__ = ["run_distill", "distill_predictor", "states_of", "time_decisions"]
+
+
+def states_of(rows: pd.DataFrame) -> pd.DataFrame:
+    """One row per recorded pre-action state (turn x prefix)."""
+    return state_rows(rows).reset_index()
+
+
+def distill_predictor(rows: pd.DataFrame, vs: ValueSystem, mlp) -> tuple[MarginPredictor, np.ndarray, np.ndarray]:
+    """(predictor, teacher margins, predicted margins) on the states of ``rows``."""
+    states = states_of(rows)
+    x = states[state_names(vs.depth, vs.signals)].to_numpy(np.float64)
+    margins = teacher_margins(vs, x, states["step"].to_numpy())
+    predictor = MarginPredictor.fit(x, margins, vs.depth, vs.signals, mlp, hidden=tuple(mlp.hidden))
+    return predictor, margins, predictor.predict(x)
+
+
+def step_states(states: pd.DataFrame, depth: int, n: int) -> list[StepState]:
+    """Live :class:`StepState` objects rebuilt from recorded rows (for timing the online decision)."""
+    out = []
+    for _, r in states.head(n).iterrows():
+        out.append(StepState(
+            step=int(r["step"]), depth=depth, history=[int(a) for a in r["prefix"]],
+            prompt_len=int(round(math.expm1(r["log_prompt_len"]))), t_tgt_ms=float(r["t_tgt_ms"]),
+            t_mid_ms=float(r["t_mid_ms"]), signals={s: float(r[f"sig_{s}"]) for s in SIGNAL_NAMES},
+        ))
+    return out
+
+
+def time_decisions(policy, states: list[StepState], repeats: int) -> float:
+    """Mean ms per ``policy.decide`` (state -> feature vector -> action), over ``repeats`` decisions."""
+    n = len(states)
+    for s in states[: min(n, 50)]:  # warm-up
+        policy.decide(s)
+    t0 = time.perf_counter()
+    for i in range(repeats):
+        policy.decide(states[i % n])
+    return 1000 * (time.perf_counter() - t0) / repeats
+
+
+def run_distill(cfg: DictConfig) -> dict:
+    console = Console(width=200, stderr=True)
+    p, s = cfg.pipeline, cfg.scheduler
+    depth = int(cfg.tree.depth)
+    collect_dir = require(stage_dir(cfg.paths.output_dir, p.name, "collect"), "collect", p.name)
+    fit_dir = stage_dir(cfg.paths.output_dir, p.name, "fit")
+    require(fit_dir / "value_heads.pt", "fit", p.name)
+    out_dir = stage_dir(cfg.paths.output_dir, p.name, "distill")
+    rows = load_rows(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.name, p.latency_label)
+    vs = ValueSystem.load(fit_dir)
+    if vs.depth != depth:
+        raise ValueError(f"the value heads in {fit_dir} were fitted for D={vs.depth}, the config has tree.depth={depth}")
+    pred_mlp, value_mlp = mlp_config(s.predictor_mlp), mlp_config(s.value_mlp)
+
+    # the deployed predictor: distilled from the value heads fitted on every fitting report
+    predictor, margins, predicted = distill_predictor(rows, vs, pred_mlp)
+    agreement = float(np.mean((margins > 0) == (predicted > 0)))
+    predictor.save(out_dir / "scheduler", {"pairs": fit_pairs(cfg), "threshold": float(s.threshold)})
+
+    states = states_of(rows)
+    live = step_states(states.sample(frac=1.0, random_state=0), depth, 500)
+    ms_scheduler = time_decisions(LearnedScheduler(predictor, float(s.threshold)), live, int(s.decision_timing_repeats))
+    ms_planner = time_decisions(DirectPlanner(vs), live, max(50, int(s.decision_timing_repeats) // 10))
+
+    # offline evaluation, cross-fitted over grouped folds
+    turn_reports = rows.drop_duplicates(TURN_KEYS)
+    folds = grouped_folds(rows["report"].to_numpy(), int(s.folds))
+    tables = []
+    for k, (train_idx, test_idx) in enumerate(folds):
+        train, test = rows.iloc[train_idx], rows.iloc[test_idx]
+        vs_k = fit_value_system(train, depth, vs.signals, value_mlp)
+        pred_k, _, _ = distill_predictor(train, vs_k, pred_mlp)
+        policies = {
+            "TreeGraft scheduler (distilled)": (vs.signals, lambda x, t, m=pred_k: (m.predict(x) > float(s.threshold)).astype(int)),
+            "direct planner (value system)": (vs.signals, lambda x, t, v=vs_k: (teacher_margins(v, x, np.full(len(x), t)) > 0).astype(int)),
+        }
+        tables.append(evaluate_policies(test, depth, policies, train_rows=train).assign(fold=k))
+    per_fold = pd.concat(tables, ignore_index=True)
+    # pool the folds: turn-weighted means (the best fixed schedule may differ per fold)
+    per_fold["policy_group"] = per_fold["policy"].str.replace(r"best fixed \[\d+\]", "best fixed", regex=True)
+    agg = []
+    for name, g in per_fold.groupby("policy_group", sort=False):
+        w = g["turns"].to_numpy()
+        row = {"policy": name}
+        for c in ("mean_tau", "gap_to_oracle", "gap_pct", "at_oracle", "call_rate"):
+            row[c] = float(np.average(g[c], weights=w))
+        row["turns"] = int(w.sum())
+        agg.append(row)
+    table = pd.DataFrame(agg)
+    atomic_write_text(table.to_csv(index=False), out_dir / "offline_eval.csv")
+    atomic_write_text(per_fold.to_csv(index=False), out_dir / "offline_eval_per_fold.csv")
+    atomic_write_text(to_markdown(table), out_dir / "offline_eval.md")
+    info = {
+        "signals": vs.signals, "features": predictor.feature_names, "states": int(len(states)),
+        "turns": int(len(turn_reports)), "teacher_call_share": float(np.mean(margins > 0)),
+        "sign_agreement": agreement, "ms_per_decision_scheduler": ms_scheduler,
+        "ms_per_decision_direct_planner": ms_planner, "folds": len(folds),
+    }
+    atomic_write_json(info, out_dir / "distill.json")
+    record_stage(out_dir, OmegaConf.to_yaml(cfg, resolve=True), [collect_dir, fit_dir])
+    print_table(table, f"offline scheduler evaluation ({len(folds)} grouped folds, held-out reports), tokens/s per turn", console)
+    console.print(f"teacher says call on {info['teacher_call_share']:.1%} of {len(states)} states; predictor sign "
+                  f"agreement {agreement:.1%}; per decision: scheduler {ms_scheduler:.4f} ms, direct planner {ms_planner:.3f} ms")
+    return info

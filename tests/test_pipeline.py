@@ -1,0 +1,151 @@
+"""The scheduler pipeline (SPEC 5.2-5.5, 7): the smoke experiment end to end, resumable collect,
+grouped folds, the margin teacher on a synthetic value system, predictor save/load, stage errors."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from treegraft.pipeline.artifacts import MissingArtifactError, stage_dir
+from treegraft.pipeline.collect import COST_FEATURES, apply_cost_model, fit_cost_model, run_collect
+from treegraft.pipeline.distill import run_distill
+from treegraft.pipeline.fit import run_fit
+from treegraft.scheduling.features import state_names, suffix_vector
+from treegraft.scheduling.learned import MarginPredictor, plan_margins
+from treegraft.scheduling.value import MLPConfig, ValueSystem, grouped_folds
+
+from .conftest import compose
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """`make collect fit distill EXPERIMENT=smoke` into a temporary outputs folder."""
+    out = tmp_path_factory.mktemp("outputs")
+    cfg = compose("collect", ["experiment=smoke", f"paths.output_dir={out}"])
+    summary = run_collect(cfg)
+    fit_info = run_fit(compose("fit", ["experiment=smoke", f"paths.output_dir={out}"]))
+    distill_info = run_distill(compose("distill", ["experiment=smoke", f"paths.output_dir={out}"]))
+    return cfg, out, summary, fit_info, distill_info
+
+
+def test_smoke_pipeline_writes_every_artifact(smoke):
+    cfg, out, summary, fit_info, distill_info = smoke
+    base = out / "pipeline" / "smoke"
+    shards = sorted((base / "collect" / "tiny-random").glob("*/q*.parquet"))
+    assert len(shards) == len(cfg.pipeline.fit_benchmarks) * cfg.pipeline.prompts_per_benchmark
+    assert int(summary["rows"].sum()) == sum(len(pd.read_parquet(p)) for p in shards)
+    for rel in ["collect/config.yaml", "collect/inputs.json", "collect/tiny-random/cost_model.json",
+                "collect/tiny-random/runtime.json", "fit/value_heads.pt", "fit/value_heads.meta.json",
+                "fit/oof_summary.md", "fit/oof_table.csv", "fit/config.yaml", "distill/scheduler.pt",
+                "distill/scheduler.meta.json", "distill/offline_eval.md", "distill/distill.json"]:
+        assert (base / rel).is_file(), rel
+    table = pd.read_csv(base / "distill" / "offline_eval.csv")
+    oracle = table.set_index("policy").loc["oracle", "mean_tau"]
+    assert (table["mean_tau"] <= oracle + 1e-9).all()  # nothing beats the per-turn oracle
+    assert distill_info["ms_per_decision_scheduler"] < 1.0
+    assert json.loads((base / "fit" / "selection.json").read_text())["chosen_signals"] == fit_info["chosen_signals"]
+
+
+def test_collect_resumes_without_losing_or_duplicating_rows(smoke):
+    cfg, out, summary, _, _ = smoke
+    root = out / "pipeline" / "smoke" / "collect" / "tiny-random"
+    shards = sorted(root.glob("*/q*.parquet"))
+    before = {p: (p.stat().st_mtime_ns, len(pd.read_parquet(p))) for p in shards}
+    shards[0].unlink()  # as if interrupted before that prompt finished
+    (root / shards[0].parent.name / ".q0.parquet.123.tmp").write_text("half-written")  # a stale temp file
+    again = run_collect(cfg)
+    after = {p: (p.stat().st_mtime_ns, len(pd.read_parquet(p))) for p in sorted(root.glob("*/q*.parquet"))}
+    assert set(after) == set(before)
+    assert after[shards[0]][1] == before[shards[0]][1]  # the redone prompt has the same rows
+    assert all(after[p] == before[p] for p in shards[1:])  # finished prompts are not redone
+    assert int(again["rows"].sum()) == int(summary["rows"].sum())
+
+
+def test_stage_without_its_inputs_names_the_stage_to_run(tmp_path):
+    cfg = compose("fit", ["experiment=smoke", f"paths.output_dir={tmp_path}"])
+    with pytest.raises(MissingArtifactError, match="run the `collect` stage first"):
+        run_fit(cfg)
+    (stage_dir(tmp_path, "smoke", "collect")).mkdir(parents=True)
+    with pytest.raises(MissingArtifactError, match="run the `fit` stage first"):
+        run_distill(compose("distill", ["experiment=smoke", f"paths.output_dir={tmp_path}"]))
+
+
+def test_grouped_folds_never_split_a_report():
+    rng = np.random.default_rng(0)
+    groups = rng.choice([f"pair{p}/bench{b}" for p in range(3) for b in range(4)], size=500)
+    folds = grouped_folds(groups, 5)
+    assert len(folds) == 5
+    seen_test = []
+    for train, test in folds:
+        assert not set(groups[train]) & set(groups[test])
+        seen_test += list(test)
+    assert sorted(seen_test) == list(range(500))  # every row is out-of-fold exactly once
+    with pytest.raises(ValueError, match="at least 2 reports"):
+        grouped_folds(np.array(["a"] * 10))
+
+
+class SyntheticValues(ValueSystem):
+    """tau(call now, suffix) = 10 + f; tau(skip now, suffix) = 12 + (calls in the suffix), f = first signal."""
+
+    def throughput(self, x, branch):
+        n_state = len(state_names(self.depth, self.signals))
+        f = x[:, n_state - 1]
+        calls_in_suffix = x[:, n_state:].sum(axis=1)
+        return 10.0 + f if branch == "call" else 12.0 + calls_in_suffix
+
+
+def test_margin_teacher_enumerates_suffixes_and_gets_the_sign_right():
+    depth = 5
+    vs = SyntheticValues(depth=depth, signals=["node_count"])
+    n = len(state_names(depth, vs.signals))
+    states, steps, expected = [], [], []
+    for step in range(1, depth + 1):
+        for f in (0.0, 1.0, 4.5, 9.0):
+            x = np.zeros(n)
+            x[-1] = f
+            states.append(x)
+            steps.append(step)
+            # best skip suffix calls at every later step: 12 + (D - t)
+            expected.append((10.0 + f) - (12.0 + (depth - step)))
+    margins = plan_margins(vs, np.array(states), np.array(steps))
+    assert np.allclose(margins, expected)
+    assert ((margins > 0) == (np.array(expected) > 0)).all()
+    assert (margins > 0).any() and (margins < 0).any()
+
+
+def test_suffix_encoding_is_aligned_to_absolute_steps():
+    assert suffix_vector(2, "101", 5).tolist() == [0, 0, 1, 0, 1]
+    assert suffix_vector(5, "", 5).tolist() == [0] * 5
+    with pytest.raises(ValueError, match="must have 2 actions"):
+        suffix_vector(3, "1", 5)
+
+
+def test_saved_and_reloaded_predictor_give_identical_margins(tmp_path):
+    rng = np.random.default_rng(1)
+    signals = ["depth_before", "node_count"]
+    x = rng.normal(size=(300, len(state_names(5, signals))))
+    y = x[:, 0] - 0.5 * x[:, -1]
+    pred = MarginPredictor.fit(x, y, 5, signals, MLPConfig(epochs=50))
+    pred.save(tmp_path / "scheduler")
+    again = MarginPredictor.load(tmp_path / "scheduler")
+    assert again.feature_names == pred.feature_names
+    assert np.array_equal(again.predict(x), pred.predict(x))
+    meta = json.loads((tmp_path / "scheduler.meta.json").read_text())
+    assert meta["feature_names"] == state_names(5, signals)
+
+
+def test_cost_model_recovers_per_call_costs():
+    rng = np.random.default_rng(2)
+    n = 400
+    df = pd.DataFrame({k: rng.integers(0, 20, n) for k in COST_FEATURES})
+    true = {"small_calls": 0.001, "middle_calls": 0.05, "middle_tokens": 0.002, "verified_nodes": 0.01}
+    df["latency_measured_s"] = 0.1 + sum(df[k] * c for k, c in true.items())
+    df["step"] = 1
+    model = fit_cost_model(df)
+    for k, c in true.items():
+        assert model[f"{k}_s"] == pytest.approx(c, rel=1e-6, abs=1e-9)
+    assert np.allclose(apply_cost_model(df, model), df["latency_measured_s"])
