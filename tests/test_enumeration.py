@@ -50,6 +50,7 @@ def test_every_schedule_once_and_each_equals_a_fresh_turn(tiny_pair, middle_kind
     assert sorted(en.outcomes) == ALL
     assert sorted(en.states) == sorted({s[:k] for s in ALL for k in range(5)})
     assert en.steps_run == 2 ** 6 - 2  # prefix sharing: 62 drafting steps, not 5 * 32
+    assert 1 <= en.verifications <= 32
     accepted = set()
     for schedule, out in en.outcomes.items():
         fresh = make(tiny_pair, middle, [int(a) for a in schedule])

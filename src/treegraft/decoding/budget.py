@@ -25,10 +25,14 @@ DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
 @torch.inference_mode()
 def measure_verify_curve(
-    model: nn.Module, context: int = 256, max_size: int = 64, sizes=None, repeats: int = 3, seed: int = 0
+    model: nn.Module, context: int = 256, max_size: int = 64, sizes=None, repeats: int = 3, seed: int = 0,
+    stop_ratio: float | None = None,
 ) -> dict[int, float]:
     """Median seconds of a verification forward (tree of n nodes, chain-shaped mask, plus the LM head
-    on one row, as greedy acceptance computes it) for each n in ``sizes`` (default: up to ``max_size``)."""
+    on one row, as greedy acceptance computes it) for each n in ``sizes`` (default: up to ``max_size``).
+
+    ``stop_ratio``: stop after the first size costing more than ``stop_ratio`` x the one-token
+    forward (latency grows with n, so no larger tree can fit under that ratio either)."""
     sizes = [s for s in (sizes or DEFAULT_SIZES) if s <= max_size] or [1]
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
@@ -53,6 +57,8 @@ def measure_verify_curve(
                 times.append(time.perf_counter() - start)
             truncate_cache(cache, context)
         curve[n] = statistics.median(times)
+        if stop_ratio is not None and curve[n] > stop_ratio * curve[min(curve)]:
+            break
     return curve
 
 

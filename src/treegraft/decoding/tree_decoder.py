@@ -186,7 +186,8 @@ class TreeGraftDecoder:
         if self._budget is None:
             from .budget import measure_verify_curve, pick_budget
 
-            self.verify_curve = measure_verify_curve(self.target, context=256, max_size=self.cfg.auto_max_budget)
+            self.verify_curve = measure_verify_curve(self.target, context=256, max_size=self.cfg.auto_max_budget,
+                                                     stop_ratio=self.cfg.auto_latency_ratio)
             self._budget = pick_budget(self.verify_curve, self.cfg.auto_latency_ratio)
         return self._budget
 

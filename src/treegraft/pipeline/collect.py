@@ -188,7 +188,7 @@ def turn_summary(en: TurnEnumeration) -> dict:
     independent = sum(o.latency_s for o in en.outcomes.values())  # 2^D separate constructions
     return {"oracle_tau": max(taus.values()), "all_skip_tau": taus["0" * len(next(iter(taus)))],
             "all_call_tau": taus["1" * len(next(iter(taus)))], "wall_s": en.wall_s, "independent_s": independent,
-            "steps_run": en.steps_run}
+            "steps_run": en.steps_run, "verifications": en.verifications}
 
 
 def shard_path(collect_dir: Path, pair: str, benchmark: str, question_id: int) -> Path:
@@ -258,6 +258,7 @@ def run_collect(cfg) -> pd.DataFrame:
             for r in rows:  # the enumeration cost of the row's turn, for the prefix-sharing figure
                 s = summaries[r["turn"] // int(p.enumerate_every)] if summaries else None
                 r["enum_wall_s"], r["enum_independent_s"] = s["wall_s"], s["independent_s"]
+                r["enum_verifications"] = s["verifications"]
             if rows:
                 write_shard(rows, path)
         if done:
@@ -275,6 +276,7 @@ def run_collect(cfg) -> pd.DataFrame:
                 "turns": len(per_turn), "rows": len(g),
                 "enum_wall_s": float(enum["enum_wall_s"].sum()),
                 "sharing_saving": float(enum["enum_independent_s"].sum() / max(enum["enum_wall_s"].sum(), 1e-9)),
+                "verifications_per_turn": float(enum["enum_verifications"].mean()),
                 "oracle_tau": float(per_turn["tau"].max().mean()),
                 "all_skip_tau": float(first[first["schedule"] == "0" * int(cfg.tree.depth)].eval("(accepted + 1) / latency_s").mean()),
                 "all_call_tau": float(first[first["schedule"] == "1" * int(cfg.tree.depth)].eval("(accepted + 1) / latency_s").mean()),

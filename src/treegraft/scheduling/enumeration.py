@@ -6,7 +6,7 @@ accepted length and the latency split; per step, the pre-action state. Schedules
 prefix share its work: the construction is a depth-first walk over the binary schedule tree, each
 branch continuing from a copy of the tree and a snapshot of the middle drafter, so a turn costs
 2 + 4 + ... + 2^D = 2^(D+1) - 2 drafting steps instead of D * 2^D (62 instead of 160 for D = 5),
-plus the 2^D verifications.
+plus one verification per distinct pruned tree (at most 2^D).
 
 Latency of a schedule = the measured wall times of its steps (each step measured once, where the
 walk ran it) + the measured time of its own verification. The state computation (signals) is not
@@ -22,7 +22,7 @@ import torch
 
 from ..decoding.tree_decoder import BuildState, TreeGraftDecoder
 from ..model_io import truncate_cache
-from ..tree import DraftTree
+from ..tree import DraftTree, prune_to_budget
 from .policy import StepState
 
 __all__ = ["ScheduleOutcome", "TurnEnumeration", "enumerate_turn", "schedule_key"]
@@ -57,6 +57,7 @@ class TurnEnumeration:
     outcomes: dict[str, ScheduleOutcome] = field(default_factory=dict)
     states: dict[str, StepState] = field(default_factory=dict)
     steps_run: int = 0  # drafting steps executed by the shared walk
+    verifications: int = 0  # target forwards run (schedules whose pruned trees coincide share one)
     wall_s: float = 0.0  # wall time of the whole enumeration (walk + verifications + states)
 
     def throughput(self, schedule: str) -> float:
@@ -86,25 +87,37 @@ def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = Tr
     tree, build = decoder.start_tree(root)
     base = mid.snapshot()
     context_len = decoder.cache.get_seq_length()
+    budget = decoder.budget()
+    verified: dict[tuple, tuple[int, float, int]] = {}
+    if not decoder.sampling.greedy:
+        raise ValueError("schedule enumeration labels turns by greedy acceptance; use temperature 0")
 
     def walk(tree: DraftTree, build: BuildState, prefix: str, spent: dict, snap: tuple) -> None:
         step = len(prefix) + 1
         if step > depth:
-            stats = _zero_stats()
-            inputs, acc = decoder.verify_tree(tree, stats)
-            truncate_cache(decoder.cache, context_len)
+            kept = prune_to_budget(tree, budget)
+            # greedy acceptance depends only on the pruned tree's token structure: schedules whose
+            # pruned trees coincide (common when B_ver is small) share one verification
+            signature = tuple(sorted(tuple(tree.path_tokens(n)) for n in kept))
+            if signature not in verified:
+                stats = _zero_stats()
+                inputs, acc = decoder.verify_tree(tree, stats)
+                truncate_cache(decoder.cache, context_len)
+                verified[signature] = (acc.accepted, stats["verify_s"], inputs.size - 1)
+                result.verifications += 1
+            accepted, verify_s, n_verified = verified[signature]
             result.outcomes[prefix] = ScheduleOutcome(
                 schedule=prefix,
-                accepted=acc.accepted,
-                latency_s=spent["small_s"] + spent["middle_s"] + spent["other_s"] + stats["verify_s"],
+                accepted=accepted,
+                latency_s=spent["small_s"] + spent["middle_s"] + spent["other_s"] + verify_s,
                 small_s=spent["small_s"],
                 middle_s=spent["middle_s"],
-                verify_s=stats["verify_s"],
+                verify_s=verify_s,
                 small_calls=spent["small_calls"],
                 middle_calls=spent["middle_calls"],
                 middle_tokens=spent["middle_tokens"],
                 tree_nodes=len(tree),
-                verified_nodes=inputs.size - 1,
+                verified_nodes=n_verified,
             )
             return
         result.states[prefix] = decoder.step_state(tree, step, [int(a) for a in prefix], with_signals)
