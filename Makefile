@@ -25,7 +25,7 @@ PROMPT ?= Write a Python function that checks whether a number is prime.
 MAX_NEW_TOKENS ?= 128
 
 .DEFAULT_GOAL := help
-.PHONY: help all setup models demo test test-fast bench-models clean-models collect fit distill
+.PHONY: help all setup models demo test test-fast bench-models clean-models collect fit distill evaluate tables figures
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'

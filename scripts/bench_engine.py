@@ -114,8 +114,8 @@ def summarize(method: str, results: list, ar_time: float | None, reports: list, 
     wall = sum(r.wall_time_s for r in results)
     turns = [t for r in results for t in r.turns]
     def per_call(key_s, key_n):
-        n = sum(t[key_n] for t in turns)
-        return 1000 * sum(t[key_s] for t in turns) / n if n else float("nan")
+        n = sum(t.get(key_n, 0) for t in turns)
+        return 1000 * sum(t.get(key_s, 0.0) for t in turns) / n if n else float("nan")
     turn_s = sum(t["turn_s"] for t in turns)
     steps = sum(len(t.get("schedule", ())) for t in turns)
     budget = decoder.budget() if isinstance(decoder, TreeGraftDecoder) else None
@@ -132,7 +132,8 @@ def summarize(method: str, results: list, ar_time: float | None, reports: list, 
         "call_rate": sum(t["middle_calls"] for t in turns) / steps if steps else float("nan"),
         "mean_tree_nodes": statistics.mean(t["tree_nodes"] for t in turns) if turns else float("nan"),
         "middle_ms_per_call": per_call("middle_s", "middle_calls"),
-        "ngram_ms_per_call": per_call("small_s", "small_calls"),
+        # n-gram lookups only; small_s also holds the per-turn update of the target top-m score cache
+        "ngram_ms_per_call": per_call("small_propose_s", "small_calls"),
         "outside_share": sum(t["outside_forward_s"] for t in turns) / turn_s if turn_s else float("nan"),
         "mismatches": sum(not rep.equal for rep in reports),
         "mismatches_unexplained": sum(not rep.equal and not rep.explained_by_tie for rep in reports),

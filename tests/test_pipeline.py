@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -13,6 +14,8 @@ import pytest
 from treegraft.pipeline.artifacts import MissingArtifactError, stage_dir
 from treegraft.pipeline.collect import COST_FEATURES, apply_cost_model, fit_cost_model, run_collect
 from treegraft.pipeline.distill import run_distill
+from treegraft.pipeline.evaluate import read_records, run_evaluate
+from treegraft.pipeline.report import make_figures, make_tables
 from treegraft.pipeline.fit import run_fit
 from treegraft.scheduling.features import state_names, suffix_vector
 from treegraft.scheduling.learned import MarginPredictor, plan_margins
@@ -29,6 +32,7 @@ def smoke(tmp_path_factory):
     summary = run_collect(cfg)
     fit_info = run_fit(compose("fit", ["experiment=smoke", f"paths.output_dir={out}"]))
     distill_info = run_distill(compose("distill", ["experiment=smoke", f"paths.output_dir={out}"]))
+    run_evaluate(compose("evaluate", ["experiment=smoke", f"paths.output_dir={out}"]))
     return cfg, out, summary, fit_info, distill_info
 
 
@@ -149,3 +153,79 @@ def test_cost_model_recovers_per_call_costs():
     for k, c in true.items():
         assert model[f"{k}_s"] == pytest.approx(c, rel=1e-6, abs=1e-9)
     assert np.allclose(apply_cost_model(df, model), df["latency_measured_s"])
+
+
+def test_evaluate_records_every_method_with_zero_greedy_mismatches(smoke):
+    cfg, out, *_ = smoke
+    eval_cfg = compose("evaluate", ["experiment=smoke", f"paths.output_dir={out}"])
+    records = read_records(out / "pipeline" / "smoke" / "evaluate")
+    methods = set(eval_cfg.evaluation.methods)
+    assert set(records["method"]) == methods
+    assert len(records) == len(methods) * len(eval_cfg.evaluation.benchmarks) * eval_cfg.evaluation.prompts_per_benchmark
+    compared = records[records["method"] != "ar"]
+    assert compared["matches_ar"].all(), compared[~compared["matches_ar"].astype(bool)]
+    line = (out / "pipeline" / "smoke" / "evaluate" / "tiny-random" / "gsm8k" / "treegraft.jsonl").read_text().splitlines()[0]
+    rec = json.loads(line)  # Spec-Bench / FastChat answer layout
+    assert {"question_id", "model_id", "choices"} <= set(rec)
+    assert {"turns", "new_tokens", "wall_time", "accept_lengths"} <= set(rec["choices"][0])
+
+
+def test_tables_and_figures_from_saved_records_alone(smoke, tmp_path):
+    _, out, *_ = smoke
+    exp = out / "pipeline" / "smoke"
+    tables = make_tables(exp, [], ["mt_bench"], out_dir=tmp_path)
+    main = tables["main"].set_index("method")
+    assert main.loc["ar", "mean speedup"] == pytest.approx(1.0)
+    assert (main["mismatches"] == 0).all()
+    assert set(tables["held_out"]["split"]) == {"held-out benchmarks"}
+    for name in ("main", "gain", "ablation", "scheduling", "held_out", "offline_scheduler", "oof"):
+        for ext in ("csv", "md", "tex"):
+            assert (tmp_path / f"{name}.{ext}").stat().st_size > 0, (name, ext)
+    figures = make_figures(exp, out_dir=tmp_path)
+    names = {p.stem for p in figures}
+    assert {"speedup_per_benchmark", "al_vs_call_rate", "time_split", "verify_curve", "offline_scheduler"} <= names
+    assert all(p.stat().st_size > 1000 for p in figures)
+
+
+def test_notebook_rebuilds_the_report_from_smoke_outputs(smoke, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    _, out, *_ = smoke
+    monkeypatch.setenv("TREEGRAFT_EXPERIMENT", "smoke")
+    monkeypatch.setenv("TREEGRAFT_OUTPUTS", str(out))
+    monkeypatch.setenv("TREEGRAFT_HELD_OUT_PAIRS", "")
+    nb = nbformat.read(Path(__file__).parents[1] / "notebooks" / "reproduce.ipynb", as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3").execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors
+    assert (out / "pipeline" / "smoke" / "report" / "main.md").exists()
+
+
+def test_wandb_offline_run_logs_a_stage(smoke, tmp_path, monkeypatch):
+    _, out, *_ = smoke
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = compose("distill", ["experiment=smoke", f"paths.output_dir={out}", "logger=wandb", f"logger.dir={tmp_path}"])
+    run_distill(cfg)
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("run-*.wandb")), "the offline run file holds the logged data"
+    config = (runs[0] / "files" / "config.yaml").read_text()
+    assert "smoke" in config
+
+
+def test_multirun_with_the_local_submitit_launcher_aggregates(smoke, tmp_path):
+    import subprocess
+    import sys
+
+    _, out, *_ = smoke
+    repo = Path(__file__).parents[1]
+    cmd = [sys.executable, str(repo / "scripts" / "evaluate.py"), "-m", "experiment=smoke", f"paths.output_dir={tmp_path}",
+           "hydra/launcher=local", "pair=tiny-random", "data=gsm8k,mt_bench", "evaluation.methods=[ar,all_small]"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = read_records(tmp_path / "pipeline" / "smoke" / "evaluate")
+    assert set(records["benchmark"]) == {"gsm8k", "mt_bench"}  # both jobs' records, one summary
+    assert set(records["method"]) == {"ar", "all_small"}
+    assert list((tmp_path / "pipeline" / "smoke" / "multirun").glob(".submitit/*")), "jobs went through submitit"

@@ -48,6 +48,7 @@ def run(cfg: DictConfig) -> int:
     from omegaconf import OmegaConf
 
     from .decoding import SamplingConfig
+    from .decoding.factory import LEARNED_METHODS, load_learned_scheduler
     from .decoding.factory import build_decoder
     from .models import load_pair
 
@@ -63,7 +64,10 @@ def run(cfg: DictConfig) -> int:
     torch.manual_seed(cfg.seed)
 
     method = cfg.method.name
-    decoder = build_decoder(method, pair, OmegaConf.to_container(cfg.tree, resolve=True), sampling)
+    scheduler = load_learned_scheduler(method, cfg.method.artifacts) if method in LEARNED_METHODS else None
+    decoder = build_decoder(method, pair, OmegaConf.to_container(cfg.tree, resolve=True), sampling, scheduler)
+    if scheduler is not None:  # the learned policy's runtime context (ms per target / middle forward)
+        decoder.warm_up(prompt_ids, 4)
     result = decoder.generate(prompt_ids, cfg.max_new_tokens)
     sys.stdout.write(tokenizer.decode(result.tokens, skip_special_tokens=True))
     sys.stdout.write("\n")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import fields
+from pathlib import Path
 
 from ..models import LoadedPair
 from .autoregressive import AutoregressiveDecoder, eos_token_ids
@@ -10,9 +11,11 @@ from .hf_peers import HFAssistedDecoder, HFPromptLookupDecoder
 from .sampling import SamplingConfig
 from .tree_decoder import METHOD_PRESETS, TreeConfig, TreeGraftDecoder
 
-__all__ = ["METHODS", "build_decoder", "tree_config_from"]
+__all__ = ["METHODS", "LEARNED_METHODS", "build_decoder", "tree_config_from", "load_learned_scheduler"]
 
-METHODS = ("ar", *METHOD_PRESETS, "hf_assisted", "hf_prompt_lookup")
+# learned policies on the shared tree: the distilled scheduler and the value system itself
+LEARNED_METHODS = ("treegraft", "direct_planner")
+METHODS = ("ar", *METHOD_PRESETS, *LEARNED_METHODS, "hf_assisted", "hf_prompt_lookup")
 
 
 def tree_config_from(method: str, tree: dict | None) -> TreeConfig:
@@ -22,12 +25,40 @@ def tree_config_from(method: str, tree: dict | None) -> TreeConfig:
     return TreeConfig(method=method, **settings)
 
 
-def build_decoder(method: str, pair: LoadedPair, tree: dict | None = None, sampling: SamplingConfig | None = None):
-    """A decoder with ``.generate(prompt_ids, max_new_tokens) -> GenerationResult`` for ``method``."""
+def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: float | None = None):
+    """The policy of ``treegraft`` (``<dir>/distill/scheduler.pt``) or ``direct_planner`` (``<dir>/fit/``)."""
+    from ..pipeline.artifacts import MissingArtifactError
+    from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor
+    from ..scheduling.value import ValueSystem
+
+    base = Path(artifacts_dir)
+    if method == "treegraft":
+        stem = base / "distill" / "scheduler"
+        if not stem.with_suffix(".pt").exists():
+            raise MissingArtifactError(f"missing {stem}.pt: run `make collect fit distill` for this experiment first")
+        predictor = MarginPredictor.load(stem)
+        return LearnedScheduler(predictor, predictor.meta.get("threshold", 0.0) if threshold is None else threshold)
+    if not (base / "fit" / "value_heads.pt").exists():
+        raise MissingArtifactError(f"missing {base / 'fit' / 'value_heads.pt'}: run `make collect fit` first")
+    return DirectPlanner(ValueSystem.load(base / "fit"))
+
+
+def build_decoder(method: str, pair: LoadedPair, tree: dict | None = None, sampling: SamplingConfig | None = None,
+                  scheduler=None):
+    """A decoder with ``.generate(prompt_ids, max_new_tokens) -> GenerationResult`` for ``method``.
+
+    ``treegraft`` / ``direct_planner`` need ``scheduler`` (see :func:`load_learned_scheduler`); they
+    run the shared tree with that policy deciding every step.
+    """
     sampling = sampling or SamplingConfig()
     eos = eos_token_ids(pair.target, pair.tokenizer)
     if method == "ar":
         return AutoregressiveDecoder(pair.target, eos, sampling)
+    if method in LEARNED_METHODS:
+        if scheduler is None:
+            raise ValueError(f"method {method} needs its learned scheduler (load_learned_scheduler)")
+        return TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree), sampling, eos,
+                                scheduler=scheduler)
     if method in METHOD_PRESETS:
         return TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from(method, tree), sampling, eos)
     if method == "hf_assisted":

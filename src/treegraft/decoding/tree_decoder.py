@@ -191,6 +191,21 @@ class TreeGraftDecoder:
             self._budget = pick_budget(self.verify_curve, self.cfg.auto_latency_ratio)
         return self._budget
 
+    def warm_up(self, prompt_ids: Sequence[int], max_new_tokens: int = 8) -> tuple[float, float]:
+        """Measure the scheduler's runtime context on a warm-up generation that calls the middle
+        drafter at every step (not scored): sets and returns (t_tgt_ms, t_mid_ms)."""
+        saved = self.scheduler
+        self.scheduler = FixedScheduler([MIDDLE] * self.cfg.depth) if self.middle is not None else saved
+        try:
+            result = self.generate(prompt_ids, max_new_tokens)
+        finally:
+            self.scheduler = saved
+        turns = result.turns
+        self.t_tgt_ms = 1000 * sum(t["target_forward_s"] for t in turns) / max(len(turns), 1)
+        calls = sum(t["middle_calls"] for t in turns)
+        self.t_mid_ms = 1000 * sum(t["middle_forward_s"] for t in turns) / calls if calls else 0.0
+        return self.t_tgt_ms, self.t_mid_ms
+
     def _prefill(self, prompt_ids: list[int]) -> None:
         """Target cache over prompt[:-1], target top-m at those positions, n-gram index, middle cache."""
         self.cache = new_cache()
@@ -222,7 +237,9 @@ class TreeGraftDecoder:
                 if len(tree) >= cap:
                     break
                 tree.add_child(node, token, score, SMALL, step)
-        stats["small_s"] += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        stats["small_s"] += elapsed
+        stats["small_propose_s"] = stats.get("small_propose_s", 0.0) + elapsed  # lookups only (per-call cost)
         stats["small_calls"] += len(nodes)
 
     def _expand_middle(self, tree: DraftTree, nodes: list[int], step: int, stats: dict) -> None:

@@ -30,7 +30,7 @@ __all__ = [
     "record_stage",
 ]
 
-STAGES = ("collect", "fit", "distill", "evaluate")
+STAGES = ("collect", "fit", "distill", "evaluate", "report")
 
 
 class MissingArtifactError(FileNotFoundError):
@@ -59,6 +59,9 @@ def _atomic(path: Path, write) -> None:
     os.close(fd)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

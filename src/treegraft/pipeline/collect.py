@@ -28,7 +28,6 @@ from ..decoding.autoregressive import extend_until_stop, make_generator, prepare
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..scheduling.enumeration import TurnEnumeration, enumerate_turn
 from ..scheduling.features import state_names, state_vector, suffix_names, suffix_vector
-from ..scheduling.policy import FixedScheduler
 from ..scheduling.signals import SIGNAL_NAMES
 from .artifacts import MissingArtifactError, atomic_write_json, atomic_write_parquet
 
@@ -44,24 +43,9 @@ __all__ = [
 COST_FEATURES = ("small_calls", "middle_calls", "middle_tokens", "verified_nodes")
 
 
-@torch.inference_mode()
 def measure_runtime_context(decoder: TreeGraftDecoder, prompt_ids: Sequence[int], max_new_tokens: int = 16) -> tuple[float, float]:
-    """(t_tgt, t_mid) in ms from a warm-up that calls the middle drafter at every step; sets them on the decoder.
-
-    t_tgt = mean target verification forward per turn; t_mid = mean middle-drafter forward per call.
-    """
-    saved = decoder.scheduler
-    decoder.scheduler = FixedScheduler([1] * decoder.cfg.depth)
-    try:
-        result = decoder.generate(prompt_ids, max_new_tokens)
-    finally:
-        decoder.scheduler = saved
-    turns = result.turns
-    t_tgt = 1000 * sum(t["target_forward_s"] for t in turns) / max(len(turns), 1)
-    calls = sum(t["middle_calls"] for t in turns)
-    t_mid = 1000 * sum(t["middle_forward_s"] for t in turns) / calls if calls else 0.0
-    decoder.t_tgt_ms, decoder.t_mid_ms = t_tgt, t_mid
-    return t_tgt, t_mid
+    """(t_tgt, t_mid) in ms from a warm-up that calls the middle drafter at every step (not used as data)."""
+    return decoder.warm_up(prompt_ids, max_new_tokens)
 
 
 @torch.inference_mode()
@@ -228,6 +212,7 @@ def run_collect(cfg) -> pd.DataFrame:
     from ..models import load_pair
     from .artifacts import record_stage, stage_dir
     from .common import pair_spec, print_table, stage_prompts, to_markdown
+    from .tracking import stage_logger
 
     console = Console(width=200, stderr=True)
     p = cfg.pipeline
@@ -243,8 +228,13 @@ def run_collect(cfg) -> pd.DataFrame:
                    for b in p.fit_benchmarks}
         warm_ids = next(iter(prompts.values()))[0][1]
         t_tgt, t_mid = measure_runtime_context(decoder, warm_ids, int(p.warmup_tokens))
+        curve = decoder.verify_curve
+        if curve is None:  # a fixed budget: measure the curve anyway, for the report's figure
+            from ..decoding.budget import measure_verify_curve
+
+            curve = measure_verify_curve(pair.target, context=256, max_size=64, stop_ratio=8.0)
         atomic_write_json({"pair": pair_name, "budget": budget, "t_tgt_ms": t_tgt, "t_mid_ms": t_mid,
-                           "verify_curve": decoder.verify_curve}, out_dir / pair_name / "runtime.json")
+                           "verify_curve": curve}, out_dir / pair_name / "runtime.json")
         console.print(f"[bold]{pair_name}[/]: B_ver={budget}, t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")
         jobs = [(b, qid, ids) for b, items in prompts.items() for qid, ids in items]
         done = 0
@@ -291,4 +281,8 @@ def run_collect(cfg) -> pd.DataFrame:
                  [Path(cfg.paths.benchmarks_dir) / b / "question.jsonl" for b in p.fit_benchmarks])
     print_table(df, f"collect ({p.name}): rows per report", console)
     console.print(f"rows in total: {int(df['rows'].sum())}")
+    log = stage_logger(cfg, "collect")
+    log.log_metrics({"rows": int(df["rows"].sum()), "turns": int(df["turns"].sum())})
+    log.log_table("collect_summary", df)
+    log.finish()
     return df

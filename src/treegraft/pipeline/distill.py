@@ -29,6 +29,7 @@ from .artifacts import atomic_write_json, atomic_write_text, record_stage, requi
 from .collect import load_rows
 from .common import fit_pairs, print_table, to_markdown
 from .fit import mlp_config
+from .tracking import stage_logger
 
 __all__ = ["run_distill", "distill_predictor", "states_of", "time_decisions"]
 
@@ -133,4 +134,8 @@ def run_distill(cfg: DictConfig) -> dict:
     print_table(table, f"offline scheduler evaluation ({len(folds)} grouped folds, held-out reports), tokens/s per turn", console)
     console.print(f"teacher says call on {info['teacher_call_share']:.1%} of {len(states)} states; predictor sign "
                   f"agreement {agreement:.1%}; per decision: scheduler {ms_scheduler:.4f} ms, direct planner {ms_planner:.3f} ms")
+    log = stage_logger(cfg, "distill")
+    log.log_metrics({k: v for k, v in info.items() if isinstance(v, (int, float))})
+    log.log_table("offline_eval", table)
+    log.finish()
     return info

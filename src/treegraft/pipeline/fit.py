@@ -19,6 +19,7 @@ from ..scheduling.value import MLPConfig, fit_value_system, oof_summary, select_
 from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_text, record_stage, require, stage_dir
 from .collect import load_rows
 from .common import fit_pairs, print_table, to_markdown
+from .tracking import stage_logger
 
 __all__ = ["run_fit", "mlp_config"]
 
@@ -58,4 +59,10 @@ def run_fit(cfg: DictConfig) -> dict:
     print_table(summary[["model", "subset", "n_signals", "score", "al_err_call", "lat_err_call", "tau_err_call",
                          "al_err_skip", "lat_err_skip", "tau_err_skip"]], "grouped out-of-fold errors (normalized MAE)", console)
     console.print(f"chosen signals: {chosen} ({len(table)} subsets scored, {info['wall_s']:.1f} s)")
+    log = stage_logger(cfg, "fit")
+    log.log_metrics({"rows": info["rows"], "subsets_scored": info["subsets_scored"],
+                     "n_chosen_signals": len(chosen), "oof_score": float(table["score"].min())})
+    log.log_table("oof_summary", summary)
+    log.log_table("oof_table", table)
+    log.finish()
     return info

@@ -1,0 +1,34 @@
+"""Stage `evaluate`: every method on every pair x benchmark, Spec-Bench style records (SPEC 6).
+
+Run:
+    make evaluate EXPERIMENT=smoke
+    python scripts/evaluate.py experiment=cpu
+    python scripts/evaluate.py experiment=cpu "evaluation.methods=[ar,all_small,treegraft]"
+
+Needs `make collect fit distill` for the learned methods (treegraft, direct_planner). Writes
+outputs/pipeline/<experiment>/evaluate/<pair>/<benchmark>/<method>.jsonl and summary.parquet.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from treegraft.config import CONF_DIR
+from treegraft.pipeline.artifacts import MissingArtifactError
+from treegraft.pipeline.evaluate import run_evaluate
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="evaluate")
+def main(cfg: DictConfig) -> None:
+    try:
+        run_evaluate(cfg)
+    except (MissingArtifactError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""Stage `evaluate` (SPEC 6): every method on every pair x benchmark, one record per prompt.
+
+For each pair (the fitting pairs and the held-out ones) x benchmark (the six, MT-Bench included)
+x method: a warm-up generation (not scored), then the prompts (disjoint from the ones `collect`
+used). Records follow the Spec-Bench / FastChat answer layout (``question_id``, ``model_id``,
+``choices[0].turns / new_tokens / wall_time / accept_lengths``), so Spec-Bench's speed script can
+read them, plus our fields (method, middle calls, time split, tokens, equality with ``ar``).
+Every method's output is compared with ``ar``'s; the mismatch counts go into the summary.
+
+Files: ``evaluate/<pair>/<benchmark>/<method>.jsonl`` (atomic, one per method: an interrupted run
+redoes at most one method of one benchmark) and ``evaluate/summary.parquet`` (one row per
+pair x benchmark x method), rebuilt from the records alone by :func:`summarize_records`.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from tqdm.auto import tqdm
+
+from ..decoding.equality import compare_outputs
+from ..decoding.factory import LEARNED_METHODS, build_decoder, load_learned_scheduler
+from ..decoding.sampling import SamplingConfig
+from ..decoding.tree_decoder import TreeGraftDecoder
+from ..models import load_model, load_pair
+from .artifacts import atomic_write_parquet, atomic_write_text, record_stage, stage_dir
+from .common import pair_spec, print_table, stage_prompts
+from .tracking import stage_logger
+
+__all__ = ["run_evaluate", "make_record", "summarize_records", "read_records", "eval_pairs"]
+
+
+def eval_pairs(cfg: DictConfig) -> list[str]:
+    if cfg.get("pair"):  # a sweep job: one pair
+        return [cfg.pair.name]
+    p = cfg.pipeline
+    pairs = list(p.eval_pairs) if p.get("eval_pairs") else list(p.pairs)
+    return pairs + [h for h in (p.held_out_pairs or []) if h not in pairs]
+
+
+def make_record(pair: str, benchmark: str, method: str, question_id: int, result, text: str) -> dict:
+    turns = result.turns
+    split = {k: sum(t.get(k, 0.0) for t in turns) for k in ("small_s", "middle_s", "verify_s", "other_s")}
+    return {
+        "question_id": question_id,
+        "model_id": f"{pair}/{method}",
+        "method": method,
+        "pair": pair,
+        "benchmark": benchmark,
+        "choices": [{
+            "index": 0,
+            "turns": [text],
+            "new_tokens": [result.new_tokens],
+            "wall_time": [result.wall_time_s],
+            "accept_lengths": [t["accepted"] + 1 for t in turns],  # tokens per turn (Spec-Bench counts the bonus)
+        }],
+        "tokens": result.tokens,
+        "prompt_tokens": result.prompt_tokens,
+        "stop_reason": result.stop_reason,
+        "turns": len(turns),
+        "accepted": [t["accepted"] for t in turns],
+        "middle_calls": sum(t.get("middle_calls", 0) for t in turns),
+        "steps": sum(len(t.get("schedule", ())) for t in turns),
+        "time_split": split,
+        "tstamp": time.time(),
+    }
+
+
+def read_records(eval_dir: Path) -> pd.DataFrame:
+    """Every record under ``eval_dir`` as a flat frame (one row per prompt x method)."""
+    rows = []
+    for path in sorted(Path(eval_dir).glob("*/*/*.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            c = r["choices"][0]
+            rows.append({
+                "pair": r["pair"], "benchmark": r["benchmark"], "method": r["method"], "question_id": r["question_id"],
+                "new_tokens": c["new_tokens"][0], "wall_time": c["wall_time"][0], "turns": r["turns"],
+                "accepted_sum": sum(r["accepted"]), "middle_calls": r["middle_calls"], "steps": r["steps"],
+                **{f"t_{k}": v for k, v in r["time_split"].items()},
+                "matches_ar": r.get("matches_ar"), "mismatch_explained": r.get("mismatch_explained"),
+            })
+    if not rows:
+        raise FileNotFoundError(f"no evaluation records under {eval_dir}")
+    return pd.DataFrame(rows)
+
+
+def summarize_records(records: pd.DataFrame) -> pd.DataFrame:
+    """One row per pair x benchmark x method: speedup vs ar (ratio of total wall times on the same
+    prompts), tokens/s, mean AL, tau (tokens per turn), call rate, time split, mismatch counts."""
+    out = []
+    for (pair, bench), g in records.groupby(["pair", "benchmark"], sort=False):
+        ar = g[g["method"] == "ar"]
+        ar_wall = ar["wall_time"].sum() if not ar.empty else float("nan")
+        for method, m in g.groupby("method", sort=False):
+            turns = m["turns"].sum()
+            spent = sum(m[f"t_{k}"].sum() for k in ("small_s", "middle_s", "verify_s", "other_s"))
+            row = {
+                "pair": pair, "benchmark": bench, "method": method, "prompts": len(m),
+                "new_tokens": int(m["new_tokens"].sum()), "wall_s": float(m["wall_time"].sum()),
+                "tokens_per_s": float(m["new_tokens"].sum() / m["wall_time"].sum()),
+                "speedup": float(ar_wall / m["wall_time"].sum()) if ar_wall == ar_wall else float("nan"),
+                "mean_al": float(m["accepted_sum"].sum() / turns) if turns else float("nan"),
+                "tau": float(m["new_tokens"].sum() / turns) if turns else float("nan"),
+                "call_rate": float(m["middle_calls"].sum() / m["steps"].sum()) if m["steps"].sum() else float("nan"),
+                "mismatches": int((m["matches_ar"] == False).sum()),  # noqa: E712 (None = not compared)
+                "mismatches_unexplained": int(((m["matches_ar"] == False) & (m["mismatch_explained"] != True)).sum()),  # noqa: E712
+            }
+            for k in ("small_s", "middle_s", "verify_s", "other_s"):
+                row[f"share_{k[:-2]}"] = float(m[f"t_{k}"].sum() / spent) if spent else float("nan")
+            out.append(row)
+    return pd.DataFrame(out)
+
+
+def _write_records(records: list[dict], path: Path) -> None:
+    atomic_write_text("".join(json.dumps(r) + "\n" for r in records), path)
+
+
+def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
+    console = Console(width=200, stderr=True)
+    p, e = cfg.pipeline, cfg.evaluation
+    out_dir = stage_dir(cfg.paths.output_dir, p.name, "evaluate")
+    artifacts = stage_dir(cfg.paths.output_dir, p.name, "distill").parent
+    tree = OmegaConf.to_container(cfg.tree, resolve=True)
+    sampling = SamplingConfig(temperature=float(e.temperature), top_p=float(e.top_p), seed=int(e.seed))
+    methods = list(e.methods)
+    if "ar" not in methods:
+        methods = ["ar", *methods]  # the reference of speedup and equality
+    methods = ["ar"] + [m for m in methods if m != "ar"]
+    benchmarks = [cfg.data.name] if cfg.get("data") else list(e.benchmarks)
+    offset = int(e.prompt_offset) if e.prompt_offset is not None else int(p.prompt_offset) + int(p.prompts_per_benchmark)
+    schedulers = {m: load_learned_scheduler(m, artifacts) for m in methods if m in LEARNED_METHODS}
+    for pair_name in eval_pairs(cfg):
+        pair = load_pair(pair_spec(pair_name), dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
+        target_fp32 = pair.target if p.dtype == "float32" else None
+        prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(e.prompts_per_benchmark), offset) for b in benchmarks}
+        decoders = {}
+        for method in methods:
+            dec = build_decoder(method, pair, tree, sampling, schedulers.get(method))
+            warm_ids = next(iter(prompts.values()))[0][1]
+            if isinstance(dec, TreeGraftDecoder) and dec.middle is not None:
+                dec.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context + warm-up, not scored
+            else:
+                dec.generate(warm_ids, int(p.warmup_tokens))  # warm-up, not scored
+            decoders[method] = dec
+        jobs = [(b, m) for b in benchmarks for m in methods]
+        reference: dict[tuple[str, int], list[int]] = {}
+        for bench, method in tqdm(jobs, desc=f"evaluate {pair_name}", file=sys.stderr):
+            path = out_dir / pair_name / bench / f"{method}.jsonl"
+            if path.exists():  # done before an interruption
+                records = [json.loads(line) for line in path.read_text().splitlines()]
+            else:
+                records = []
+                for qid, ids in prompts[bench]:
+                    result = decoders[method].generate(ids, int(e.max_new_tokens))
+                    text = pair.tokenizer.decode(result.tokens, skip_special_tokens=True)
+                    records.append(make_record(pair_name, bench, method, qid, result, text))
+                    records[-1]["prompt_ids"] = ids
+            if method == "ar":
+                reference.update({(bench, r["question_id"]): r["tokens"] for r in records})
+            elif sampling.greedy and not path.exists():
+                for r in records:
+                    ref = reference[(bench, r["question_id"])]
+                    if r["tokens"] != ref and target_fp32 is None:
+                        target_fp32 = load_model(pair.spec.target, "float32", p.device, cfg.paths.models_dir)
+                    rep = compare_outputs(ref, r["tokens"], r["prompt_ids"], target_fp32, float(e.tie_tolerance))
+                    r["matches_ar"], r["mismatch_explained"] = rep.equal, rep.explained_by_tie
+            if not path.exists():
+                _write_records(records, path)
+        del pair, decoders
+    # the summary covers every record in the folder, so the jobs of a sweep aggregate into one table
+    summary = summarize_records(read_records(out_dir))
+    atomic_write_parquet(summary, out_dir / "summary.parquet")
+    record_stage(out_dir, OmegaConf.to_yaml(cfg, resolve=True), [])
+    show = summary[["pair", "benchmark", "method", "tokens_per_s", "speedup", "mean_al", "call_rate", "mismatches",
+                    "mismatches_unexplained"]]
+    print_table(show, f"evaluate ({p.name})", console)
+    log = stage_logger(cfg, "evaluate")
+    log.log_metrics({"mismatches": int(summary["mismatches"].sum()),
+                     "mismatches_unexplained": int(summary["mismatches_unexplained"].sum())})
+    log.log_table("evaluate_summary", summary)
+    log.finish()
+    return summary
