@@ -209,9 +209,11 @@ def test_wandb_offline_run_logs_a_stage(smoke, tmp_path, monkeypatch):
     run_distill(cfg)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
-    assert list(runs[0].glob("run-*.wandb")), "the offline run file holds the logged data"
-    config = (runs[0] / "files" / "config.yaml").read_text()
-    assert "smoke" in config
+    run_file = list(runs[0].glob("run-*.wandb"))
+    assert run_file, "the offline run file holds the logged data"
+    data = run_file[0].read_bytes()
+    assert b"smoke" in data and b"ms_per_decision_scheduler" in data  # the config and the metrics
+    assert list((runs[0] / "files" / "media" / "table").glob("offline_eval*.table.json"))
 
 
 def test_multirun_with_the_local_submitit_launcher_aggregates(smoke, tmp_path):

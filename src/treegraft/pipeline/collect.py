@@ -162,6 +162,28 @@ def load_rows(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str]
     return pd.concat(frames, ignore_index=True)
 
 
+def collect_summary(rows: pd.DataFrame, depth: int) -> list[dict]:
+    """Per report: prompts, turns, rows, enumeration cost, prefix-sharing saving, verifications per
+    turn, mean oracle / all-skip / all-call throughput (tokens/s per turn, measured latencies)."""
+    out = []
+    for (pair_name, bench), g in rows.groupby(["pair", "benchmark"], sort=False):
+        first = g[g["step"] == 1].assign(tau=lambda d: (d["accepted"] + 1) / d["latency_measured_s"])
+        per_turn = first.groupby(["question_id", "turn"])
+        enum = g.drop_duplicates(["question_id", "turn"])
+        out.append({
+            "pair": pair_name, "benchmark": bench, "prompts": g["question_id"].nunique(),
+            "turns": len(per_turn), "rows": len(g),
+            "enum_wall_s": float(enum["enum_wall_s"].sum()),
+            # what 2^D separate constructions and verifications would have cost / what the walk cost
+            "sharing_saving": float(enum["enum_independent_s"].sum() / max(enum["enum_wall_s"].sum(), 1e-9)),
+            "verifications_per_turn": float(enum["enum_verifications"].mean()),
+            "oracle_tau": float(per_turn["tau"].max().mean()),
+            "all_skip_tau": float(first[first["schedule"] == "0" * depth]["tau"].mean()),
+            "all_call_tau": float(first[first["schedule"] == "1" * depth]["tau"].mean()),
+        })
+    return out
+
+
 def write_shard(rows: list[dict], path: Path) -> None:
     atomic_write_parquet(pd.DataFrame(rows), path)
 
@@ -256,21 +278,7 @@ def run_collect(cfg) -> pd.DataFrame:
         pair_rows = load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name)
         cost = fit_cost_model(pair_rows)
         atomic_write_json(cost, out_dir / pair_name / "cost_model.json")
-        for bench, g in pair_rows.groupby("benchmark", sort=False):
-            first = g[g["step"] == 1]
-            tau = (first["accepted"] + 1) / first["latency_s"]
-            per_turn = first.assign(tau=tau).groupby(["question_id", "turn"])
-            enum = g.drop_duplicates(["question_id", "turn"])
-            summary.append({
-                "pair": pair_name, "benchmark": bench, "prompts": g["question_id"].nunique(),
-                "turns": len(per_turn), "rows": len(g),
-                "enum_wall_s": float(enum["enum_wall_s"].sum()),
-                "sharing_saving": float(enum["enum_independent_s"].sum() / max(enum["enum_wall_s"].sum(), 1e-9)),
-                "verifications_per_turn": float(enum["enum_verifications"].mean()),
-                "oracle_tau": float(per_turn["tau"].max().mean()),
-                "all_skip_tau": float(first[first["schedule"] == "0" * int(cfg.tree.depth)].eval("(accepted + 1) / latency_s").mean()),
-                "all_call_tau": float(first[first["schedule"] == "1" * int(cfg.tree.depth)].eval("(accepted + 1) / latency_s").mean()),
-            })
+        summary += collect_summary(pair_rows, int(cfg.tree.depth))
         del pair, decoder
     df = pd.DataFrame(summary)
     from .artifacts import atomic_write_text

@@ -30,6 +30,18 @@ def mlp_config(node) -> MLPConfig:
     return MLPConfig(**d)
 
 
+def subsample_turns(rows: pd.DataFrame, max_rows: int | None, seed: int = 0) -> pd.DataFrame:
+    """At most ``max_rows`` rows, made of whole turns drawn at random (every report keeps its turns'
+    structure, so grouped folds stay valid). ``None`` keeps everything."""
+    if not max_rows or len(rows) <= max_rows:
+        return rows
+    keys = ["report", "question_id", "turn"]
+    turns = rows[keys].drop_duplicates().sample(frac=1.0, random_state=seed)
+    per_turn = len(rows) / len(turns)
+    keep = turns.head(max(1, int(max_rows // per_turn)))
+    return rows.merge(keep, on=keys, how="inner")
+
+
 def run_fit(cfg: DictConfig) -> dict:
     console = Console(width=200, stderr=True)
     p, s = cfg.pipeline, cfg.scheduler
@@ -39,8 +51,11 @@ def run_fit(cfg: DictConfig) -> dict:
     rows = load_rows(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.name, p.latency_label)
     depth = int(cfg.tree.depth)
     console.print(f"fit on {len(rows)} rows, {rows['report'].nunique()} reports, latency label: {p.latency_label}")
+    sel_rows = subsample_turns(rows, s.get("selection_max_rows"), int(s.value_mlp.seed))
+    if len(sel_rows) < len(rows):
+        console.print(f"signal selection on {len(sel_rows)} rows (whole turns sampled; scheduler.selection_max_rows)")
     chosen, table = select_signals(
-        rows, depth, list(s.candidates), mlp_config(s.selection_mlp), s.search, int(s.max_exhaustive),
+        sel_rows, depth, list(s.candidates), mlp_config(s.selection_mlp), s.search, int(s.max_exhaustive),
         int(s.folds), progress=lambda msg: print(msg, file=sys.stderr),
     )
     summary = oof_summary(table, chosen, list(s.candidates))
