@@ -17,6 +17,8 @@ GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "
 
 
 DEFAULT_GROUPS = {"pair", "method", "paths", "tree"}
+# groups that only the pipeline's primary configs list (`evaluate` lists them all)
+PIPELINE_GROUPS = {"pipeline", "scheduler", "evaluation", "logger", "experiment"}
 
 
 def options(group: str) -> list[str]:
@@ -32,8 +34,16 @@ def test_expected_groups_exist():
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in GROUPS for o in options(g)])
 def test_group_option_composes_and_instantiates(group, option):
-    prefix = "" if group in DEFAULT_GROUPS else "+"  # groups the primary config does not list are appended
-    cfg = compose("generate", [f"{prefix}{group}={option}"])
+    if group == "experiment":  # a global package: it overrides other groups
+        cfg = compose("evaluate", [f"experiment={option}"])
+        assert cfg.pipeline.name == option
+        assert OmegaConf.to_container(cfg, resolve=True)
+        return
+    if group in PIPELINE_GROUPS:
+        cfg = compose("evaluate", [f"{group}={option}"])
+    else:
+        prefix = "" if group in DEFAULT_GROUPS else "+"  # groups the primary config does not list are appended
+        cfg = compose("generate", [f"{prefix}{group}={option}"])
     node = cfg[group]
     resolved = OmegaConf.to_container(node, resolve=True)  # every interpolation resolves
     assert resolved
@@ -61,3 +71,21 @@ def test_benchmarks_dir_follows_environment(monkeypatch, tmp_path):
     monkeypatch.setenv("TREEGRAFT_BENCHMARKS", str(tmp_path))
     cfg = compose("generate", ["+data=gsm8k"])
     assert instantiate(cfg.data).benchmarks_dir == str(tmp_path)
+
+
+@pytest.mark.parametrize("launcher,target", [("local", "LocalLauncher"), ("slurm", "SlurmLauncher")])
+def test_submitit_launcher_configs_compose(launcher, target):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = hydra_compose("evaluate", [f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith(target)
+    assert cfg.hydra.launcher.submitit_folder.endswith("/.submitit/%j")
+
+
+@pytest.mark.parametrize("stage", ["collect", "fit", "distill", "evaluate", "report"])
+def test_every_stage_config_composes_with_every_experiment(stage):
+    for option in options("experiment"):
+        cfg = compose(stage, [f"experiment={option}"])
+        assert cfg.pipeline.name == option
