@@ -63,6 +63,15 @@ fit: $(VENV)/.deps ## signal selection by grouped OOF + the four value heads -> 
 distill: $(VENV)/.deps ## margin teacher, distilled scheduler, offline evaluation -> outputs/pipeline/<exp>/distill
 	$(VPY) scripts/distill.py $(EXP_ARG)
 
+evaluate: $(VENV)/.deps ## every method on every pair x benchmark -> outputs/pipeline/<exp>/evaluate
+	$(VPY) scripts/evaluate.py $(EXP_ARG)
+
+tables: $(VENV)/.deps ## tables (CSV, Markdown, LaTeX) from the saved records -> outputs/pipeline/<exp>/report
+	$(VPY) scripts/report.py $(EXP_ARG) figures=false
+
+figures: $(VENV)/.deps ## figures (PNG, PDF) from the saved records -> outputs/pipeline/<exp>/report
+	$(VPY) scripts/report.py $(EXP_ARG) tables=false
+
 test: $(VENV)/.deps $(VENV)/.pkg-$(TEST_MODELS) ## run the whole test suite (converts SmolLM2 first if needed)
 	$(VPY) scripts/prepare_models.py --models $(TEST_MODELS)
 	$(VPY) -m pytest

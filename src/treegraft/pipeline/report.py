@@ -195,7 +195,7 @@ def make_figures(exp_dir: Path, out_dir: Path | None = None) -> list[Path]:
     piv = summary.pivot_table(index="benchmark", columns="method", values="speedup", aggfunc="mean")
     piv = piv[_order(list(piv.columns))]
     fig, ax = plt.subplots(figsize=(11, 4))
-    piv.plot.bar(ax=ax, width=0.85)
+    piv.plot.bar(ax=ax, width=0.85, colormap="tab20")  # 12 methods: more colours than the default cycle
     ax.axhline(1.0, color="black", lw=0.8, ls="--")
     ax.set_ylabel("speedup vs ar")
     ax.set_title("Speedup per method and benchmark (mean over pairs)")
