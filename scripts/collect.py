@@ -11,23 +11,17 @@ atomic; an interrupted run resumes), <pair>/runtime.json, <pair>/cost_model.json
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
 from treegraft.config import CONF_DIR
-from treegraft.pipeline.artifacts import MissingArtifactError
+from treegraft.pipeline.common import run_stage_cli
 from treegraft.pipeline.collect import run_collect
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="collect")
 def main(cfg: DictConfig) -> None:
-    try:
-        run_collect(cfg)
-    except (MissingArtifactError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_stage_cli(run_collect, cfg)
 
 
 if __name__ == "__main__":

@@ -10,23 +10,17 @@ Reads outputs/pipeline/<experiment>/collect/; writes outputs/pipeline/<experimen
 
 from __future__ import annotations
 
-import sys
-
 import hydra
 from omegaconf import DictConfig
 
 from treegraft.config import CONF_DIR
-from treegraft.pipeline.artifacts import MissingArtifactError
+from treegraft.pipeline.common import run_stage_cli
 from treegraft.pipeline.fit import run_fit
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="fit")
 def main(cfg: DictConfig) -> None:
-    try:
-        run_fit(cfg)
-    except (MissingArtifactError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_stage_cli(run_fit, cfg)
 
 
 if __name__ == "__main__":

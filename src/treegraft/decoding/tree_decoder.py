@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -524,7 +524,11 @@ class TreeGraftDecoder:
 
     # ------------------------------------------------------------------ public
     @torch.inference_mode()
-    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> GenerationResult:
+    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                 before_turn: Callable[[int, int], None] | None = None) -> GenerationResult:
+        """Decode ``prompt_ids``; ``before_turn(turn_index, root_token)``, if given, runs before each
+        turn on the decoder's current state (e.g. to enumerate schedules there; it must leave the
+        state as it found it)."""
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.target)
         self.budget()
         generator = make_generator(self.sampling, self.device)
@@ -538,6 +542,8 @@ class TreeGraftDecoder:
         turns: list[dict] = []
         stop_reason = None
         while stop_reason is None:
+            if before_turn is not None:
+                before_turn(len(turns), root)
             emitted, stats = self._turn(root, generator)
             turns.append(stats)
             stop_reason = extend_until_stop(tokens, emitted, self.eos_ids, max_new_tokens)

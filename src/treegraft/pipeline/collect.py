@@ -16,15 +16,12 @@ measured latencies (``latency_label=cost_model`` uses them instead of wall times
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
-import torch
 
-from ..decoding.autoregressive import extend_until_stop, make_generator, prepare_prompt
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..scheduling.enumeration import TurnEnumeration, enumerate_turn
 from ..scheduling.features import state_names, state_vector, suffix_names, suffix_vector
@@ -32,7 +29,6 @@ from ..scheduling.signals import SIGNAL_NAMES
 from .artifacts import MissingArtifactError, atomic_write_json, atomic_write_parquet
 
 __all__ = [
-    "measure_runtime_context",
     "decode_with_enumeration",
     "enumeration_rows",
     "fit_cost_model",
@@ -43,12 +39,6 @@ __all__ = [
 COST_FEATURES = ("small_calls", "middle_calls", "middle_tokens", "verified_nodes")
 
 
-def measure_runtime_context(decoder: TreeGraftDecoder, prompt_ids: Sequence[int], max_new_tokens: int = 16) -> tuple[float, float]:
-    """(t_tgt, t_mid) in ms from a warm-up that calls the middle drafter at every step (not used as data)."""
-    return decoder.warm_up(prompt_ids, max_new_tokens)
-
-
-@torch.inference_mode()
 def decode_with_enumeration(
     decoder: TreeGraftDecoder,
     prompt_ids: Sequence[int],
@@ -59,23 +49,14 @@ def decode_with_enumeration(
 
     Returns (new tokens, [(turn index, enumeration)]). The output equals the decoder's own.
     """
-    prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, decoder.target)
-    decoder.budget()
-    generator = make_generator(decoder.sampling, decoder.device)
-    decoder.prompt_len = len(prompt_ids)
-    decoder._prefill(prompt_ids)
-    root = prompt_ids[-1]
-    tokens: list[int] = []
     enumerations = []
-    turn = 0
-    while True:
+
+    def before_turn(turn: int, root: int) -> None:
         if should_enumerate(turn):
             enumerations.append((turn, enumerate_turn(decoder, root)))
-        emitted, _ = decoder._turn(root, generator)
-        turn += 1
-        if extend_until_stop(tokens, emitted, decoder.eos_ids, max_new_tokens) is not None:
-            return tokens, enumerations
-        root = emitted[-1]
+
+    result = decoder.generate(prompt_ids, max_new_tokens, before_turn=before_turn)
+    return result.tokens, enumerations
 
 
 def enumeration_rows(en: TurnEnumeration, depth: int, meta: dict) -> list[dict]:
@@ -184,42 +165,26 @@ def collect_summary(rows: pd.DataFrame, depth: int) -> list[dict]:
     return out
 
 
-def write_shard(rows: list[dict], path: Path) -> None:
-    atomic_write_parquet(pd.DataFrame(rows), path)
-
-
-def turn_summary(en: TurnEnumeration) -> dict:
-    """Oracle and endpoint throughput of a turn, and what prefix sharing saved."""
-    taus = {s: en.throughput(s) for s in en.outcomes}
-    independent = sum(o.latency_s for o in en.outcomes.values())  # 2^D separate constructions
-    return {"oracle_tau": max(taus.values()), "all_skip_tau": taus["0" * len(next(iter(taus)))],
-            "all_call_tau": taus["1" * len(next(iter(taus)))], "wall_s": en.wall_s, "independent_s": independent,
-            "steps_run": en.steps_run, "verifications": en.verifications}
-
-
 def shard_path(collect_dir: Path, pair: str, benchmark: str, question_id: int) -> Path:
     return Path(collect_dir) / pair / benchmark / f"q{question_id}.parquet"
 
 
-def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict) -> tuple[list[dict], list[dict]]:
-    """Decode one prompt with enumeration; (rows, per-turn summaries)."""
+def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict) -> list[dict]:
+    """Decode one prompt, enumerating the sampled turns; the rows of every enumerated turn."""
     every, cap = int(cfg.enumerate_every), cfg.max_enumerated_turns
 
     def should(turn: int) -> bool:
         return turn % every == 0 and (cap is None or turn // every < int(cap))
 
     _, enumerations = decode_with_enumeration(decoder, prompt_ids, int(cfg.max_new_tokens), should)
-    rows, summaries = [], []
+    rows = []
     for turn, en in enumerations:
-        rows += enumeration_rows(en, decoder.cfg.depth, {**meta, "turn": turn})
-        summaries.append(turn_summary(en))
-    return rows, summaries
-
-
-def timed(fn, *args, **kwargs):
-    t0 = time.perf_counter()
-    out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
+        # the turn's enumeration cost, for the prefix-sharing figures: the walk's wall time and what
+        # 2^D separate constructions and verifications would have cost
+        cost = {"enum_wall_s": en.wall_s, "enum_verifications": en.verifications,
+                "enum_independent_s": sum(o.latency_s for o in en.outcomes.values())}
+        rows += enumeration_rows(en, decoder.cfg.depth, {**meta, "turn": turn, **cost})
+    return rows
 
 
 def run_collect(cfg) -> pd.DataFrame:
@@ -249,7 +214,7 @@ def run_collect(cfg) -> pd.DataFrame:
         prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(p.prompts_per_benchmark), int(p.prompt_offset))
                    for b in p.fit_benchmarks}
         warm_ids = next(iter(prompts.values()))[0][1]
-        t_tgt, t_mid = measure_runtime_context(decoder, warm_ids, int(p.warmup_tokens))
+        t_tgt, t_mid = decoder.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context, not used as data
         curve = decoder.verify_curve
         if curve is None:  # a fixed budget: measure the curve anyway, for the report's figure
             from ..decoding.budget import measure_verify_curve
@@ -266,13 +231,9 @@ def run_collect(cfg) -> pd.DataFrame:
                 done += 1
                 continue
             meta = {"pair": pair_name, "benchmark": bench, "report": f"{pair_name}/{bench}", "question_id": qid}
-            (rows, summaries), wall = timed(run_prompt, decoder, ids, p, meta)
-            for r in rows:  # the enumeration cost of the row's turn, for the prefix-sharing figure
-                s = summaries[r["turn"] // int(p.enumerate_every)] if summaries else None
-                r["enum_wall_s"], r["enum_independent_s"] = s["wall_s"], s["independent_s"]
-                r["enum_verifications"] = s["verifications"]
+            rows = run_prompt(decoder, ids, p, meta)
             if rows:
-                write_shard(rows, path)
+                atomic_write_parquet(pd.DataFrame(rows), path)
         if done:
             console.print(f"{pair_name}: {done} prompt(s) already collected, skipped")
         pair_rows = load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name)

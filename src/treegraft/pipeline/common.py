@@ -15,7 +15,7 @@ from ..config import CONF_DIR
 from ..data import BenchmarkConfig, format_prompt, load_benchmark
 from ..models import PairSpec
 
-__all__ = ["pair_spec", "stage_prompts", "print_table", "fit_pairs"]
+__all__ = ["pair_spec", "stage_prompts", "print_table", "fit_pairs", "run_stage_cli"]
 
 
 def pair_spec(name: str) -> PairSpec:
@@ -66,3 +66,17 @@ def to_markdown(df: pd.DataFrame, floats: str = "{:.3f}") -> str:
     for _, r in df.iterrows():
         lines.append("| " + " | ".join(floats.format(v) if isinstance(v, float) else str(v) for v in r.tolist()) + " |")
     return "\n".join(lines) + "\n"
+
+
+def run_stage_cli(run, cfg: DictConfig) -> None:
+    """What every stage entry point does: run the stage; a missing input or a bad value is one line
+    on stderr and exit status 2."""
+    import sys
+
+    from .artifacts import MissingArtifactError
+
+    try:
+        run(cfg)
+    except (MissingArtifactError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from ..scheduling.features import state_names
-from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor, teacher_margins
+from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor, plan_margins
 from ..scheduling.offline import TURN_KEYS, evaluate_policies, state_rows
 from ..scheduling.policy import StepState
 from ..scheduling.signals import SIGNAL_NAMES
@@ -43,7 +43,7 @@ def distill_predictor(rows: pd.DataFrame, vs: ValueSystem, mlp) -> tuple[MarginP
     """(predictor, teacher margins, predicted margins) on the states of ``rows``."""
     states = states_of(rows)
     x = states[state_names(vs.depth, vs.signals)].to_numpy(np.float64)
-    margins = teacher_margins(vs, x, states["step"].to_numpy())
+    margins = plan_margins(vs, x, states["step"].to_numpy())
     predictor = MarginPredictor.fit(x, margins, vs.depth, vs.signals, mlp, hidden=tuple(mlp.hidden))
     return predictor, margins, predictor.predict(x)
 
@@ -105,7 +105,7 @@ def run_distill(cfg: DictConfig) -> dict:
         pred_k, _, _ = distill_predictor(train, vs_k, pred_mlp)
         policies = {
             "TreeGraft scheduler (distilled)": (vs.signals, lambda x, t, m=pred_k: (m.predict(x) > float(s.threshold)).astype(int)),
-            "direct planner (value system)": (vs.signals, lambda x, t, v=vs_k: (teacher_margins(v, x, np.full(len(x), t)) > 0).astype(int)),
+            "direct planner (value system)": (vs.signals, lambda x, t, v=vs_k: (plan_margins(v, x, np.full(len(x), t)) > 0).astype(int)),
         }
         tables.append(evaluate_policies(test, depth, policies, train_rows=train).assign(fold=k))
     per_fold = pd.concat(tables, ignore_index=True)

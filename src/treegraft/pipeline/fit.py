@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from ..scheduling.value import MLPConfig, fit_value_system, oof_summary, select_signals
-from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_text, record_stage, require, stage_dir
+from .artifacts import atomic_write_json, atomic_write_text, record_stage, require, stage_dir
 from .collect import load_rows
 from .common import fit_pairs, print_table, to_markdown
 from .tracking import stage_logger
@@ -62,9 +62,7 @@ def run_fit(cfg: DictConfig) -> dict:
     vs = fit_value_system(rows, depth, chosen, mlp_config(s.value_mlp))
     vs.save(out_dir, {"pairs": fit_pairs(cfg), "benchmarks": list(p.fit_benchmarks), "rows": len(rows),
                       "latency_label": p.latency_label})
-    atomic_write_parquet(table, out_dir / "oof_table.parquet")
-    table.to_csv(out_dir / "oof_table.csv.tmp", index=False)
-    (out_dir / "oof_table.csv.tmp").replace(out_dir / "oof_table.csv")
+    atomic_write_text(table.to_csv(index=False), out_dir / "oof_table.csv")
     atomic_write_text(summary.to_csv(index=False), out_dir / "oof_summary.csv")
     atomic_write_text(to_markdown(summary), out_dir / "oof_summary.md")
     info = {"chosen_signals": chosen, "subsets_scored": len(table), "rows": len(rows),

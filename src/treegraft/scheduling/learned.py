@@ -22,7 +22,7 @@ from .features import state_names, state_vector, suffix_vector
 from .policy import StepState
 from .value import MLPConfig, Standardized, ValueSystem, train_mlp
 
-__all__ = ["teacher_margins", "MarginPredictor", "LearnedScheduler", "DirectPlanner", "plan_margins"]
+__all__ = ["plan_margins", "MarginPredictor", "LearnedScheduler", "DirectPlanner"]
 
 
 def _suffixes(n: int) -> list[tuple[int, ...]]:
@@ -30,7 +30,7 @@ def _suffixes(n: int) -> list[tuple[int, ...]]:
 
 
 def plan_margins(vs: ValueSystem, states: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """Teacher margins for state vectors ``states`` [N, len(state_names)] at ``steps`` [N] (1..D),
+    """Teacher margins (the distillation target, and the direct planner's rule) for state vectors ``states`` [N, len(state_names)] at ``steps`` [N] (1..D),
     by exact enumeration of every future suffix."""
     depth = vs.depth
     margins = np.zeros(len(states))
@@ -45,11 +45,6 @@ def plan_margins(vs: ValueSystem, states: np.ndarray, steps: np.ndarray) -> np.n
             best[branch] = tau.max(axis=1)
         margins[idx] = best["call"] - best["skip"]
     return margins
-
-
-def teacher_margins(vs: ValueSystem, states: np.ndarray, steps: np.ndarray) -> np.ndarray:
-    """Alias of :func:`plan_margins`: the distillation target."""
-    return plan_margins(vs, states, steps)
 
 
 class MarginPredictor:
