@@ -31,7 +31,12 @@ help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
 	@echo "  variables: MODELS=default|all|<names> (now: $(MODEL_LIST)), PAIR=$(PAIR), MAX_NEW_TOKENS=$(MAX_NEW_TOKENS)"
 
-all: demo ## the main job on the embedded default: setup, models, then a demo generation with the default pair
+# `make all` runs the whole pipeline on the embedded models with this experiment (conf/experiment/cpu.yaml).
+ALL_EXPERIMENT ?= cpu
+
+all: ## the whole pipeline on the embedded default: setup, models (all four), collect, fit, distill, evaluate, tables, figures (EXPERIMENT=cpu)
+	$(MAKE) models MODELS=all
+	$(MAKE) collect fit distill evaluate tables figures EXPERIMENT=$(ALL_EXPERIMENT)
 
 $(VENV)/.deps: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=<python3.11>"; exit 1; }

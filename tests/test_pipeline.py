@@ -14,7 +14,7 @@ import pytest
 from treegraft.pipeline.artifacts import MissingArtifactError, stage_dir
 from treegraft.pipeline.collect import COST_FEATURES, apply_cost_model, fit_cost_model, run_collect
 from treegraft.pipeline.distill import run_distill
-from treegraft.pipeline.evaluate import read_records, run_evaluate
+from treegraft.pipeline.evaluate import read_records, run_evaluate, run_key
 from treegraft.pipeline.report import make_figures, make_tables
 from treegraft.pipeline.fit import run_fit
 from treegraft.scheduling.features import state_names, suffix_vector
@@ -205,7 +205,8 @@ def test_wandb_offline_run_logs_a_stage(smoke, tmp_path, monkeypatch):
     _, out, *_ = smoke
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = compose("distill", ["experiment=smoke", f"paths.output_dir={out}", "logger=wandb", f"logger.dir={tmp_path}"])
+    cfg = compose("distill", ["experiment=smoke", f"paths.output_dir={out}", "logger=wandb", f"logger.dir={tmp_path}",
+                              "force=true"])  # the stage is up to date: force it to run and log
     run_distill(cfg)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
@@ -231,3 +232,65 @@ def test_multirun_with_the_local_submitit_launcher_aggregates(smoke, tmp_path):
     assert set(records["benchmark"]) == {"gsm8k", "mt_bench"}  # both jobs' records, one summary
     assert set(records["method"]) == {"ar", "all_small"}
     assert list((tmp_path / "pipeline" / "smoke" / "multirun").glob(".submitit/*")), "jobs went through submitit"
+
+
+def test_evaluate_reuses_records_only_under_the_same_run_key(smoke):
+    _, out, *_ = smoke
+    args = ["experiment=smoke", f"paths.output_dir={out}"]
+    eval_dir = out / "pipeline" / "smoke" / "evaluate"
+    run_evaluate(compose("evaluate", args))  # brings the records up to date (an earlier test may have redone distill)
+    before = {p: p.stat().st_mtime_ns for p in eval_dir.glob("*/*/*.jsonl")}
+    run_evaluate(compose("evaluate", args))  # everything saved and up to date: nothing is redone
+    assert {p: p.stat().st_mtime_ns for p in eval_dir.glob("*/*/*.jsonl")} == before
+    base = out / "pipeline" / "smoke"
+    cfg = compose("evaluate", args)
+    keys = {m: run_key(cfg, "tiny-random", m, 2, base) for m in ("ar", "treegraft")}
+    longer = compose("evaluate", args + ["evaluation.max_new_tokens=99"])
+    assert run_key(longer, "tiny-random", "ar", 2, base) != keys["ar"]  # a changed setting redoes every method
+    assert run_key(cfg, "tiny-random", "ar", 3, base) != keys["ar"]  # so do other prompts
+    scheduler = base / "distill" / "scheduler.pt"
+    saved = scheduler.read_bytes()
+    try:
+        scheduler.write_bytes(saved + b"refitted")
+        assert run_key(cfg, "tiny-random", "treegraft", 2, base) != keys["treegraft"]  # a new scheduler redoes treegraft
+        assert run_key(cfg, "tiny-random", "ar", 2, base) == keys["ar"]  # but not the methods without one
+    finally:
+        scheduler.write_bytes(saved)
+
+
+def test_fit_and_distill_skip_when_up_to_date_and_redo_when_forced_or_changed(smoke):
+    _, out, *_ = smoke
+    args = ["experiment=smoke", f"paths.output_dir={out}"]
+    heads = out / "pipeline" / "smoke" / "fit" / "value_heads.pt"
+    scheduler = out / "pipeline" / "smoke" / "distill" / "scheduler.pt"
+    run_fit(compose("fit", args))  # brings both up to date (an earlier test re-collected a prompt: new timings)
+    run_distill(compose("distill", args))
+    stamp = heads.stat().st_mtime_ns, scheduler.stat().st_mtime_ns
+    run_fit(compose("fit", args + ["logger=none"]))  # same config and inputs (the logger does not count)
+    run_distill(compose("distill", args))
+    assert (heads.stat().st_mtime_ns, scheduler.stat().st_mtime_ns) == stamp
+    run_fit(compose("fit", args + ["force=true"]))
+    assert heads.stat().st_mtime_ns != stamp[0]
+    run_fit(compose("fit", args + ["scheduler.value_mlp.epochs=3"]))  # a changed setting: other value heads
+    run_distill(compose("distill", args))  # its input (the value heads) changed
+    assert scheduler.stat().st_mtime_ns != stamp[1]
+    stamp = scheduler.stat().st_mtime_ns
+    run_distill(compose("distill", args + ["scheduler.predictor_mlp.epochs=3"]))  # a changed setting
+    assert scheduler.stat().st_mtime_ns != stamp
+
+
+def test_pair_overrides_size_collect_per_pair():
+    from omegaconf import OmegaConf
+
+    from treegraft.pipeline.collect import pair_settings
+
+    p = OmegaConf.create({"prompts_per_benchmark": 2, "enumerate_every": 1, "max_enumerated_turns": None,
+                          "pair_overrides": {"slow": {"prompts_per_benchmark": 1, "enumerate_every": 2}}})
+    assert (pair_settings(p, "slow").prompts_per_benchmark, pair_settings(p, "slow").enumerate_every) == (1, 2)
+    assert (pair_settings(p, "fast").prompts_per_benchmark, pair_settings(p, "fast").enumerate_every) == (2, 1)
+    p.pair_overrides.slow.prompts_per_benchmark = 3  # more than the evaluation offset allows
+    with pytest.raises(ValueError, match="prompts_per_benchmark must be <="):
+        pair_settings(p, "slow")
+    p.pair_overrides.slow = {"max_new_tokens": 8}
+    with pytest.raises(ValueError, match=r"sets \['max_new_tokens'\]"):
+        pair_settings(p, "slow")

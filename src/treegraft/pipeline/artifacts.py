@@ -4,6 +4,9 @@ Every stage writes to ``<output_dir>/pipeline/<experiment>/<stage>/`` (not a tim
 through a temp file + rename so an interruption never leaves a half-written artifact, and records
 its resolved config (``config.yaml``) and the hashes of the artifacts it read (``inputs.json``).
 A stage whose inputs are missing raises :class:`MissingArtifactError` naming the stage to run.
+A stage whose outputs were written from the same config and the same inputs is up to date
+(:func:`up_to_date`) and skips its work unless run with ``force=true``, so
+``make collect fit distill evaluate`` after an interruption redoes only what is missing.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ __all__ = [
     "atomic_torch_save",
     "file_hash",
     "record_stage",
+    "up_to_date",
 ]
 
 STAGES = ("collect", "fit", "distill", "evaluate", "report")
@@ -99,3 +103,33 @@ def record_stage(directory: Path, config_yaml: str, inputs: Iterable[Path] = ())
     """Write the resolved config and the input hashes next to a stage's artifacts."""
     atomic_write_text(config_yaml, Path(directory) / "config.yaml")
     atomic_write_json({str(p): file_hash(p) for p in inputs}, Path(directory) / "inputs.json")
+
+
+# keys that do not change a stage's artifacts: where to log, whether to redo, where files live (inputs are
+# hashed), and collect's sizing
+# (what collect produced reaches fit and distill through the hashes of the row files they read)
+_NOT_CONFIG = ("logger", "force", "paths")
+_COLLECT_SIZING = ("prompts_per_benchmark", "pair_overrides", "enumerate_every", "max_enumerated_turns",
+                   "warmup_tokens", "max_new_tokens", "max_prompt_tokens")
+
+
+def _comparable_config(config_yaml: str) -> dict:
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=False) or {}
+    conf = {k: v for k, v in conf.items() if k not in _NOT_CONFIG}
+    if isinstance(conf.get("pipeline"), dict):
+        conf["pipeline"] = {k: v for k, v in conf["pipeline"].items() if k not in _COLLECT_SIZING}
+    return conf
+
+
+def up_to_date(directory: Path, config_yaml: str, inputs: Iterable[Path], outputs: Iterable[str]) -> bool:
+    """True when ``directory`` holds every file of ``outputs`` and was recorded (:func:`record_stage`)
+    with the same config (``logger``, ``force``, ``paths`` and collect's sizing aside) and the same input hashes."""
+    d = Path(directory)
+    if not all((d / name).exists() for name in ("config.yaml", "inputs.json", *outputs)):
+        return False
+    if _comparable_config((d / "config.yaml").read_text()) != _comparable_config(config_yaml):
+        return False
+    recorded = json.loads((d / "inputs.json").read_text())
+    return recorded == {str(p): file_hash(p) for p in inputs}

@@ -21,6 +21,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
+from omegaconf import OmegaConf
 
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..scheduling.enumeration import TurnEnumeration, enumerate_turn
@@ -112,6 +113,30 @@ def apply_cost_model(rows: pd.DataFrame, model: dict) -> np.ndarray:
     return np.maximum(lat, 1e-6)
 
 
+PAIR_SETTINGS = ("prompts_per_benchmark", "enumerate_every", "max_enumerated_turns")
+
+
+def pair_settings(p, pair_name: str):
+    """``pipeline`` with the pair's entry of ``pipeline.pair_overrides`` applied (collect sizing only:
+    fewer prompts or sparser enumeration for a pair whose turns are slow)."""
+    override = (p.get("pair_overrides") or {}).get(pair_name) or {}
+    bad = set(override) - set(PAIR_SETTINGS)
+    if bad:
+        raise ValueError(f"pipeline.pair_overrides.{pair_name} sets {sorted(bad)}; only {list(PAIR_SETTINGS)} can differ per pair")
+    if int(override.get("prompts_per_benchmark", 0)) > int(p.prompts_per_benchmark):
+        raise ValueError(f"pipeline.pair_overrides.{pair_name}.prompts_per_benchmark must be <= "
+                         f"pipeline.prompts_per_benchmark={p.prompts_per_benchmark} (evaluation prompts follow those)")
+    return OmegaConf.merge(p, override)
+
+
+def row_files(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str], latency_label: str = "measured") -> list[Path]:
+    """The files :func:`load_rows` reads (what `fit` and `distill` record as their inputs)."""
+    files = [p for pair in pairs for bench in benchmarks for p in sorted((Path(collect_dir) / pair / bench).glob("q*.parquet"))]
+    if latency_label == "cost_model":
+        files += [Path(collect_dir) / pair / "cost_model.json" for pair in pairs]
+    return files
+
+
 def load_rows(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str], experiment: str,
               latency_label: str = "measured") -> pd.DataFrame:
     """All collected rows of ``pairs`` x ``benchmarks``, with the ``latency_s`` label set.
@@ -191,7 +216,6 @@ def run_collect(cfg) -> pd.DataFrame:
     """The `collect` stage for every pair of ``cfg.pipeline.pairs``; returns the summary table."""
     import sys
 
-    from omegaconf import OmegaConf
     from rich.console import Console
     from tqdm.auto import tqdm
 
@@ -207,11 +231,12 @@ def run_collect(cfg) -> pd.DataFrame:
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     summary = []
     for pair_name in p.pairs:
+        pp = pair_settings(p, pair_name)
         spec = pair_spec(pair_name)
         pair = load_pair(spec, dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
         decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree))
         budget = decoder.budget()
-        prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(p.prompts_per_benchmark), int(p.prompt_offset))
+        prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(pp.prompts_per_benchmark), int(p.prompt_offset))
                    for b in p.fit_benchmarks}
         warm_ids = next(iter(prompts.values()))[0][1]
         t_tgt, t_mid = decoder.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context, not used as data
@@ -231,7 +256,7 @@ def run_collect(cfg) -> pd.DataFrame:
                 done += 1
                 continue
             meta = {"pair": pair_name, "benchmark": bench, "report": f"{pair_name}/{bench}", "question_id": qid}
-            rows = run_prompt(decoder, ids, p, meta)
+            rows = run_prompt(decoder, ids, pp, meta)
             if rows:
                 atomic_write_parquet(pd.DataFrame(rows), path)
         if done:

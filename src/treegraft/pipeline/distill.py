@@ -11,6 +11,7 @@ the held-out reports' enumerations. So each number is out-of-sample, as the pape
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
@@ -25,8 +26,8 @@ from ..scheduling.offline import TURN_KEYS, evaluate_policies, state_rows
 from ..scheduling.policy import StepState
 from ..scheduling.signals import SIGNAL_NAMES
 from ..scheduling.value import ValueSystem, fit_value_system, grouped_folds
-from .artifacts import atomic_write_json, atomic_write_text, record_stage, require, stage_dir
-from .collect import load_rows
+from .artifacts import atomic_write_json, atomic_write_text, record_stage, require, stage_dir, up_to_date
+from .collect import load_rows, row_files
 from .common import fit_pairs, print_table, to_markdown
 from .fit import mlp_config
 from .tracking import stage_logger
@@ -79,6 +80,12 @@ def run_distill(cfg: DictConfig) -> dict:
     fit_dir = stage_dir(cfg.paths.output_dir, p.name, "fit")
     require(fit_dir / "value_heads.pt", "fit", p.name)
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "distill")
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    inputs = [*row_files(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.latency_label),
+              fit_dir / "value_heads.pt", fit_dir / "value_heads.meta.json"]
+    if not cfg.get("force") and up_to_date(out_dir, config_yaml, inputs, ["scheduler.pt", "distill.json"]):
+        console.print(f"distill: {out_dir} is up to date with its config and inputs (force=true to redo)")
+        return json.loads((out_dir / "distill.json").read_text())
     rows = load_rows(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.name, p.latency_label)
     vs = ValueSystem.load(fit_dir)
     if vs.depth != depth:
@@ -130,7 +137,7 @@ def run_distill(cfg: DictConfig) -> dict:
         "ms_per_decision_direct_planner": ms_planner, "folds": len(folds),
     }
     atomic_write_json(info, out_dir / "distill.json")
-    record_stage(out_dir, OmegaConf.to_yaml(cfg, resolve=True), [collect_dir, fit_dir])
+    record_stage(out_dir, config_yaml, inputs)
     print_table(table, f"offline scheduler evaluation ({len(folds)} grouped folds, held-out reports), tokens/s per turn", console)
     console.print(f"teacher says call on {info['teacher_call_share']:.1%} of {len(states)} states; predictor sign "
                   f"agreement {agreement:.1%}; per decision: scheduler {ms_scheduler:.4f} ms, direct planner {ms_planner:.3f} ms")

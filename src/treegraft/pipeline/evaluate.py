@@ -8,20 +8,20 @@ read them, plus our fields (method, middle calls, time split, tokens, equality w
 Every method's output is compared with ``ar``'s; the mismatch counts go into the summary.
 
 Files: ``evaluate/<pair>/<benchmark>/<method>.jsonl`` (atomic, one per method: an interrupted run
-redoes at most one method of one benchmark) and ``evaluate/summary.parquet`` (one row per
+redoes at most one method of one benchmark; records are reused only under the same :func:`run_key`,
+so a changed config or a refitted scheduler redoes them) and ``evaluate/summary.parquet`` (one row per
 pair x benchmark x method), rebuilt from the records alone by :func:`summarize_records`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 import pandas as pd
-import torch
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from tqdm.auto import tqdm
@@ -31,11 +31,11 @@ from ..decoding.factory import LEARNED_METHODS, build_decoder, load_learned_sche
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..models import load_model, load_pair
-from .artifacts import atomic_write_parquet, atomic_write_text, record_stage, stage_dir
+from .artifacts import atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
 from .common import pair_spec, print_table, stage_prompts
 from .tracking import stage_logger
 
-__all__ = ["run_evaluate", "make_record", "summarize_records", "read_records", "eval_pairs"]
+__all__ = ["run_evaluate", "make_record", "summarize_records", "read_records", "eval_pairs", "run_key"]
 
 
 def eval_pairs(cfg: DictConfig) -> list[str]:
@@ -124,6 +124,29 @@ def _write_records(records: list[dict], path: Path) -> None:
     atomic_write_text("".join(json.dumps(r) + "\n" for r in records), path)
 
 
+def run_key(cfg: DictConfig, pair: str, method: str, offset: int, artifacts: Path) -> str:
+    """What a method's records depend on: the tree and evaluation settings, dtype, device, the
+    prompts' offset and, for the learned methods, the scheduler artifacts. Saved records are reused
+    only under the same key (a changed config or a refitted scheduler redoes them)."""
+    e = OmegaConf.to_container(cfg.evaluation, resolve=True)
+    for k in ("methods", "benchmarks"):
+        e.pop(k, None)
+    parts = {"pair": pair, "method": method, "offset": offset, "evaluation": e,
+             "tree": OmegaConf.to_container(cfg.tree, resolve=True), "dtype": cfg.pipeline.dtype,
+             "device": cfg.pipeline.device, "warmup_tokens": cfg.pipeline.warmup_tokens}
+    if method in LEARNED_METHODS:
+        parts["artifacts"] = {name: file_hash(artifacts / name) for name in ("distill/scheduler.pt", "fit/value_heads.pt")}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _saved_records(path: Path, key: str) -> list[dict] | None:
+    """The records of an earlier run with the same key, else None (missing or stale)."""
+    if not path.exists():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return records if records and all(r.get("run_key") == key for r in records) else None
+
+
 def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
     console = Console(width=200, stderr=True)
     p, e = cfg.pipeline, cfg.evaluation
@@ -139,42 +162,48 @@ def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
     offset = int(e.prompt_offset) if e.prompt_offset is not None else int(p.prompt_offset) + int(p.prompts_per_benchmark)
     schedulers = {m: load_learned_scheduler(m, artifacts) for m in methods if m in LEARNED_METHODS}
     for pair_name in eval_pairs(cfg):
+        jobs = [(b, m) for b in benchmarks for m in methods]
+        paths = {(b, m): out_dir / pair_name / b / f"{m}.jsonl" for b, m in jobs}
+        keys = {m: run_key(cfg, pair_name, m, offset, artifacts) for m in methods}
+        saved = {(b, m): _saved_records(paths[b, m], keys[m]) for b, m in jobs}  # done before an interruption
+        todo = [m for m in methods if any(saved[b, m] is None for b in benchmarks)]
+        if not todo:
+            console.print(f"{pair_name}: every record is saved and up to date")
+            continue
         pair = load_pair(pair_spec(pair_name), dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
         target_fp32 = pair.target if p.dtype == "float32" else None
         prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(e.prompts_per_benchmark), offset) for b in benchmarks}
+        warm_ids = next(iter(prompts.values()))[0][1]
         decoders = {}
-        for method in methods:
+        for method in todo:  # every warm-up before any timing
             dec = build_decoder(method, pair, tree, sampling, schedulers.get(method))
-            warm_ids = next(iter(prompts.values()))[0][1]
             if isinstance(dec, TreeGraftDecoder) and dec.middle is not None:
                 dec.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context + warm-up, not scored
             else:
                 dec.generate(warm_ids, int(p.warmup_tokens))  # warm-up, not scored
             decoders[method] = dec
-        jobs = [(b, m) for b in benchmarks for m in methods]
         reference: dict[tuple[str, int], list[int]] = {}
         for bench, method in tqdm(jobs, desc=f"evaluate {pair_name}", file=sys.stderr):
-            path = out_dir / pair_name / bench / f"{method}.jsonl"
-            if path.exists():  # done before an interruption
-                records = [json.loads(line) for line in path.read_text().splitlines()]
-            else:
+            records = saved[bench, method]
+            fresh = records is None
+            if fresh:
                 records = []
                 for qid, ids in prompts[bench]:
                     result = decoders[method].generate(ids, int(e.max_new_tokens))
                     text = pair.tokenizer.decode(result.tokens, skip_special_tokens=True)
                     records.append(make_record(pair_name, bench, method, qid, result, text))
-                    records[-1]["prompt_ids"] = ids
+                    records[-1].update(prompt_ids=ids, run_key=keys[method])
             if method == "ar":
                 reference.update({(bench, r["question_id"]): r["tokens"] for r in records})
-            elif sampling.greedy and not path.exists():
+            elif sampling.greedy and fresh:
                 for r in records:
                     ref = reference[(bench, r["question_id"])]
                     if r["tokens"] != ref and target_fp32 is None:
                         target_fp32 = load_model(pair.spec.target, "float32", p.device, cfg.paths.models_dir)
                     rep = compare_outputs(ref, r["tokens"], r["prompt_ids"], target_fp32, float(e.tie_tolerance))
                     r["matches_ar"], r["mismatch_explained"] = rep.equal, rep.explained_by_tie
-            if not path.exists():
-                _write_records(records, path)
+            if fresh:
+                _write_records(records, paths[bench, method])
         del pair, decoders
     # the summary covers every record in the folder, so the jobs of a sweep aggregate into one table
     summary = summarize_records(read_records(out_dir))

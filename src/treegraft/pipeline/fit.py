@@ -8,6 +8,7 @@ subset scored), ``oof_summary.{csv,md}`` (chosen vs single best vs all candidate
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -16,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from ..scheduling.value import MLPConfig, fit_value_system, oof_summary, select_signals
-from .artifacts import atomic_write_json, atomic_write_text, record_stage, require, stage_dir
-from .collect import load_rows
+from .artifacts import atomic_write_json, atomic_write_text, record_stage, require, stage_dir, up_to_date
+from .collect import load_rows, row_files
 from .common import fit_pairs, print_table, to_markdown
 from .tracking import stage_logger
 
@@ -47,6 +48,11 @@ def run_fit(cfg: DictConfig) -> dict:
     p, s = cfg.pipeline, cfg.scheduler
     collect_dir = require(stage_dir(cfg.paths.output_dir, p.name, "collect"), "collect", p.name)
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "fit")
+    config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    inputs = row_files(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.latency_label)
+    if not cfg.get("force") and up_to_date(out_dir, config_yaml, inputs, ["value_heads.pt", "selection.json"]):
+        console.print(f"fit: {out_dir} is up to date with its config and inputs (force=true to redo)")
+        return json.loads((out_dir / "selection.json").read_text())
     start = time.perf_counter()
     rows = load_rows(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.name, p.latency_label)
     depth = int(cfg.tree.depth)
@@ -68,7 +74,7 @@ def run_fit(cfg: DictConfig) -> dict:
     info = {"chosen_signals": chosen, "subsets_scored": len(table), "rows": len(rows),
             "reports": int(rows["report"].nunique()), "wall_s": time.perf_counter() - start}
     atomic_write_json(info, out_dir / "selection.json")
-    record_stage(out_dir, OmegaConf.to_yaml(cfg, resolve=True), [collect_dir])
+    record_stage(out_dir, config_yaml, inputs)
     print_table(summary[["model", "subset", "n_signals", "score", "al_err_call", "lat_err_call", "tau_err_call",
                          "al_err_skip", "lat_err_skip", "tau_err_skip"]], "grouped out-of-fold errors (normalized MAE)", console)
     console.print(f"chosen signals: {chosen} ({len(table)} subsets scored, {info['wall_s']:.1f} s)")
