@@ -11,10 +11,15 @@ from .hf_peers import HFAssistedDecoder, HFPromptLookupDecoder
 from .sampling import SamplingConfig
 from .tree_decoder import METHOD_PRESETS, TreeConfig, TreeGraftDecoder
 
-__all__ = ["METHODS", "LEARNED_METHODS", "build_decoder", "tree_config_from", "load_learned_scheduler"]
+__all__ = ["METHODS", "LEARNED_METHODS", "LEARNED_ARTIFACTS", "build_decoder", "tree_config_from", "load_learned_scheduler"]
 
 # learned policies on the shared tree: the distilled scheduler and the value system itself
-LEARNED_METHODS = ("treegraft", "direct_planner")
+# the files each learned method's policy is loaded from, relative to an experiment's artifacts folder
+LEARNED_ARTIFACTS = {
+    "treegraft": ("distill/scheduler.pt", "distill/scheduler.meta.json"),
+    "direct_planner": ("fit/value_heads.pt", "fit/value_heads.meta.json"),
+}
+LEARNED_METHODS = tuple(LEARNED_ARTIFACTS)
 METHODS = ("ar", *METHOD_PRESETS, *LEARNED_METHODS, "hf_assisted", "hf_prompt_lookup")
 
 
@@ -31,16 +36,15 @@ def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: fl
     from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor
     from ..scheduling.value import ValueSystem
 
-    base = Path(artifacts_dir)
+    weights = Path(artifacts_dir) / LEARNED_ARTIFACTS[method][0]
     if method == "treegraft":
-        stem = base / "distill" / "scheduler"
-        if not stem.with_suffix(".pt").exists():
-            raise MissingArtifactError(f"missing {stem}.pt: run `make collect fit distill` for this experiment first")
-        predictor = MarginPredictor.load(stem)
+        if not weights.exists():
+            raise MissingArtifactError(f"missing {weights}: run `make collect fit distill` for this experiment first")
+        predictor = MarginPredictor.load(weights.with_suffix(""))
         return LearnedScheduler(predictor, predictor.meta.get("threshold", 0.0) if threshold is None else threshold)
-    if not (base / "fit" / "value_heads.pt").exists():
-        raise MissingArtifactError(f"missing {base / 'fit' / 'value_heads.pt'}: run `make collect fit` first")
-    return DirectPlanner(ValueSystem.load(base / "fit"))
+    if not weights.exists():
+        raise MissingArtifactError(f"missing {weights}: run `make collect fit` first")
+    return DirectPlanner(ValueSystem.load(weights.parent))
 
 
 def build_decoder(method: str, pair: LoadedPair, tree: dict | None = None, sampling: SamplingConfig | None = None,

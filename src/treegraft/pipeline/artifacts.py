@@ -20,6 +20,7 @@ from typing import Iterable
 
 import pandas as pd
 import torch
+from omegaconf import OmegaConf
 
 __all__ = [
     "MissingArtifactError",
@@ -105,17 +106,14 @@ def record_stage(directory: Path, config_yaml: str, inputs: Iterable[Path] = ())
     atomic_write_json({str(p): file_hash(p) for p in inputs}, Path(directory) / "inputs.json")
 
 
-# keys that do not change a stage's artifacts: where to log, whether to redo, where files live (inputs are
-# hashed), and collect's sizing
-# (what collect produced reaches fit and distill through the hashes of the row files they read)
+# keys that do not change a stage's artifacts: where to log, whether to redo, where files live, and
+# collect's sizing (what collect produced reaches fit and distill through the hashes of the row files)
 _NOT_CONFIG = ("logger", "force", "paths")
 _COLLECT_SIZING = ("prompts_per_benchmark", "pair_overrides", "enumerate_every", "max_enumerated_turns",
                    "warmup_tokens", "max_new_tokens", "max_prompt_tokens")
 
 
 def _comparable_config(config_yaml: str) -> dict:
-    from omegaconf import OmegaConf
-
     conf = OmegaConf.to_container(OmegaConf.create(config_yaml), resolve=False) or {}
     conf = {k: v for k, v in conf.items() if k not in _NOT_CONFIG}
     if isinstance(conf.get("pipeline"), dict):

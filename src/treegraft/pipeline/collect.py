@@ -129,9 +129,13 @@ def pair_settings(p, pair_name: str):
     return OmegaConf.merge(p, override)
 
 
+def _shards(collect_dir: Path, pair: str, benchmark: str) -> list[Path]:
+    return sorted((Path(collect_dir) / pair / benchmark).glob("q*.parquet"))
+
+
 def row_files(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str], latency_label: str = "measured") -> list[Path]:
     """The files :func:`load_rows` reads (what `fit` and `distill` record as their inputs)."""
-    files = [p for pair in pairs for bench in benchmarks for p in sorted((Path(collect_dir) / pair / bench).glob("q*.parquet"))]
+    files = [p for pair in pairs for bench in benchmarks for p in _shards(collect_dir, pair, bench)]
     if latency_label == "cost_model":
         files += [Path(collect_dir) / pair / "cost_model.json" for pair in pairs]
     return files
@@ -149,7 +153,7 @@ def load_rows(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str]
     for pair in pairs:
         pair_rows = []
         for bench in benchmarks:
-            shards = sorted((Path(collect_dir) / pair / bench).glob("q*.parquet"))
+            shards = _shards(collect_dir, pair, bench)
             if not shards:
                 raise MissingArtifactError(
                     f"no collected rows for pair {pair}, benchmark {bench} under {collect_dir}: "

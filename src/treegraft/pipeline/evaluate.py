@@ -27,7 +27,7 @@ from rich.console import Console
 from tqdm.auto import tqdm
 
 from ..decoding.equality import compare_outputs
-from ..decoding.factory import LEARNED_METHODS, build_decoder, load_learned_scheduler
+from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, build_decoder, load_learned_scheduler
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..models import load_model, load_pair
@@ -134,8 +134,8 @@ def run_key(cfg: DictConfig, pair: str, method: str, offset: int, artifacts: Pat
     parts = {"pair": pair, "method": method, "offset": offset, "evaluation": e,
              "tree": OmegaConf.to_container(cfg.tree, resolve=True), "dtype": cfg.pipeline.dtype,
              "device": cfg.pipeline.device, "warmup_tokens": cfg.pipeline.warmup_tokens}
-    if method in LEARNED_METHODS:
-        parts["artifacts"] = {name: file_hash(artifacts / name) for name in ("distill/scheduler.pt", "fit/value_heads.pt")}
+    if method in LEARNED_ARTIFACTS:
+        parts["artifacts"] = {name: file_hash(artifacts / name) for name in LEARNED_ARTIFACTS[method]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
