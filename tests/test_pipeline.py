@@ -69,6 +69,22 @@ def test_collect_resumes_without_losing_or_duplicating_rows(smoke):
     assert int(again["rows"].sum()) == int(summary["rows"].sum())
 
 
+def test_collect_rerun_with_every_shard_present_loads_no_model(smoke, monkeypatch):
+    cfg, out, summary, _, _ = smoke
+    root = out / "pipeline" / "smoke" / "collect" / "tiny-random"
+    shards = {p: p.stat().st_mtime_ns for p in root.glob("*/q*.parquet")}
+    runtime = (root / "runtime.json").read_text()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("collect loaded a model although every shard was on disk")
+
+    monkeypatch.setattr("treegraft.models.load_pair", no_model)
+    again = run_collect(cfg)
+    assert {p: p.stat().st_mtime_ns for p in root.glob("*/q*.parquet")} == shards
+    assert (root / "runtime.json").read_text() == runtime  # the measured runtime context is kept
+    assert int(again["rows"].sum()) == int(summary["rows"].sum())
+
+
 def test_stage_without_its_inputs_names_the_stage_to_run(tmp_path):
     cfg = compose("fit", ["experiment=smoke", f"paths.output_dir={tmp_path}"])
     with pytest.raises(MissingArtifactError, match="run the `collect` stage first"):

@@ -34,6 +34,7 @@ __all__ = [
     "enumeration_rows",
     "fit_cost_model",
     "load_rows",
+    "pair_is_collected",
     "COST_FEATURES",
 ]
 
@@ -198,6 +199,22 @@ def shard_path(collect_dir: Path, pair: str, benchmark: str, question_id: int) -
     return Path(collect_dir) / pair / benchmark / f"q{question_id}.parquet"
 
 
+def pair_is_collected(collect_dir: Path, pair: str, benchmarks_dir, benchmarks: Sequence[str],
+                      num_prompts: int, offset: int) -> bool:
+    """Whether a pair's runtime context, cost model and every prompt's shard are on disk, so a rerun
+    of `collect` need not load its models (the question ids come from the benchmark files alone)."""
+    from ..data import BenchmarkConfig, load_benchmark
+
+    root = Path(collect_dir) / pair
+    if not ((root / "runtime.json").exists() and (root / "cost_model.json").exists()):
+        return False
+    for bench in benchmarks:
+        ds = load_benchmark(BenchmarkConfig(name=bench, benchmarks_dir=benchmarks_dir, num_prompts=num_prompts, offset=offset))
+        if not all(shard_path(collect_dir, pair, bench, int(rec["question_id"])).exists() for rec in ds):
+            return False
+    return True
+
+
 def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict) -> list[dict]:
     """Decode one prompt, enumerating the sampled turns; the rows of every enumerated turn."""
     every, cap = int(cfg.enumerate_every), cfg.max_enumerated_turns
@@ -236,6 +253,11 @@ def run_collect(cfg) -> pd.DataFrame:
     summary = []
     for pair_name in p.pairs:
         pp = pair_settings(p, pair_name)
+        if pair_is_collected(out_dir, pair_name, cfg.paths.benchmarks_dir, list(p.fit_benchmarks),
+                             int(pp.prompts_per_benchmark), int(p.prompt_offset)):
+            console.print(f"{pair_name}: every prompt already collected, skipped (no model loaded)")
+            summary += collect_summary(load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name), int(cfg.tree.depth))
+            continue
         spec = pair_spec(pair_name)
         pair = load_pair(spec, dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
         decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree))
