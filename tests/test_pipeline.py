@@ -224,6 +224,9 @@ def test_wandb_offline_run_logs_a_stage(smoke, tmp_path, monkeypatch):
     cfg = compose("distill", ["experiment=smoke", f"paths.output_dir={out}", "logger=wandb", f"logger.dir={tmp_path}",
                               "force=true"])  # the stage is up to date: force it to run and log
     run_distill(cfg)
+    import wandb
+
+    wandb.teardown()  # the run files are written by W&B's service process: let it close them before reading
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1
     run_file = list(runs[0].glob("run-*.wandb"))
