@@ -240,6 +240,20 @@ def test_format_prompt_without_chat_template(tiny_tokenizer) -> None:
     assert out == "System: Be brief.\nUser: What is 2+2?\nAssistant: 4\nUser: And 3+3?\nAssistant:"
 
 
+def test_format_prompt_without_chat_template_keeps_the_tokenizers_bos() -> None:
+    """Base models whose tokenizer adds BOS (Gemma, Llama) get it in the transcript too, since
+    prompts are tokenized with add_special_tokens=False."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "a": 1, "<s>": 2}, unk_token="[UNK]"))
+    backend.post_processor = tokenizers.processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>")
+    assert tok("a").input_ids == [2, 1]
+    text = format_prompt(tok, "What is 2+2?")
+    assert text == "<s>User: What is 2+2?\nAssistant:"
+    assert tok(text, add_special_tokens=False).input_ids[0] == 2
+
+
 def test_format_prompt_with_chat_template(tiny_tokenizer) -> None:
     tiny_tokenizer.chat_template = TEMPLATE
     assert format_prompt(tiny_tokenizer, "hi") == "<|user|>hi<|end|>\n<|assistant|>"

@@ -261,6 +261,15 @@ def test_evaluate_reuses_records_only_under_the_same_run_key(smoke):
     before = {p: p.stat().st_mtime_ns for p in eval_dir.glob("*/*/*.jsonl")}
     run_evaluate(compose("evaluate", args))  # everything saved and up to date: nothing is redone
     assert {p: p.stat().st_mtime_ns for p in eval_dir.glob("*/*/*.jsonl")} == before
+    stale = sorted(eval_dir.glob("*/*/all_small.jsonl"))[0]  # as if written under another prompt format
+    lines = [json.loads(line) for line in stale.read_text().splitlines()]
+    lines[0]["prompt_ids"] = lines[0]["prompt_ids"][1:]
+    stale.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    run_evaluate(compose("evaluate", args))  # redoes exactly that file
+    redone = [json.loads(line) for line in stale.read_text().splitlines()]
+    assert redone[0]["prompt_ids"] != lines[0]["prompt_ids"]
+    assert {p: p.stat().st_mtime_ns for p in eval_dir.glob("*/*/*.jsonl") if p != stale} == {
+        p: m for p, m in before.items() if p != stale}
     base = out / "pipeline" / "smoke"
     cfg = compose("evaluate", args)
     keys = {m: run_key(cfg, "tiny-random", m, 2, base) for m in ("ar", "treegraft")}

@@ -193,7 +193,8 @@ def format_prompt(
     Without one (base models) we fall back to a plain transcript rather than failing, so that base
     models can be benchmarked too: an optional "System: {system}" line, then one
     "User: {u}\\nAssistant: {a}\\n" block per history pair, ending with "User: {user_turn}\\nAssistant:"
-    (no trailing space or newline; the model continues after "Assistant:").
+    (no trailing space or newline; the model continues after "Assistant:"), preceded by the BOS token
+    when the tokenizer adds one to plain text by default.
 
     Raises ValueError("empty prompt: ...") if `user_turn` is empty or whitespace only.
     """
@@ -217,4 +218,16 @@ def format_prompt(
     parts = [f"System: {system}\n"] if system else []
     parts += [f"User: {user}\nAssistant: {assistant}\n" for user, assistant in pairs]
     parts.append(f"User: {user_turn}\nAssistant:")
-    return "".join(parts)
+    return _leading_bos(tokenizer) + "".join(parts)
+
+
+def _leading_bos(tokenizer: Any) -> str:
+    """The BOS text a tokenizer puts before plain text by default (Gemma, Llama base models), else "".
+
+    Prompts are tokenized with ``add_special_tokens=False`` (chat templates write their own BOS), so
+    the plain transcript must carry it: Gemma 3 270M without BOS answers "Assistant: Assistant: ..."""
+    bos = getattr(tokenizer, "bos_token", None)
+    if not bos:
+        return ""
+    ids = tokenizer("a").input_ids
+    return bos if ids and ids[0] == tokenizer.bos_token_id else ""

@@ -30,7 +30,7 @@ from ..decoding.equality import compare_outputs
 from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, build_decoder, load_learned_scheduler
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
-from ..models import load_model, load_pair
+from ..models import load_model, load_pair, load_tokenizer
 from .artifacts import atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
 from .common import pair_spec, print_table, stage_prompts
 from .tracking import stage_logger
@@ -139,12 +139,14 @@ def run_key(cfg: DictConfig, pair: str, method: str, offset: int, artifacts: Pat
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _saved_records(path: Path, key: str) -> list[dict] | None:
-    """The records of an earlier run with the same key, else None (missing or stale)."""
+def _saved_records(path: Path, key: str, prompts: list[tuple[int, list[int]]]) -> list[dict] | None:
+    """The records of an earlier run with the same key and the same prompts (question ids and token
+    ids, so a changed prompt format redoes them), else None (missing or stale)."""
     if not path.exists():
         return None
     records = [json.loads(line) for line in path.read_text().splitlines()]
-    return records if records and all(r.get("run_key") == key for r in records) else None
+    same_prompts = [(r.get("question_id"), r.get("prompt_ids")) for r in records] == [(q, list(ids)) for q, ids in prompts]
+    return records if same_prompts and all(r.get("run_key") == key for r in records) else None
 
 
 def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
@@ -165,14 +167,16 @@ def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
         jobs = [(b, m) for b in benchmarks for m in methods]
         paths = {(b, m): out_dir / pair_name / b / f"{m}.jsonl" for b, m in jobs}
         keys = {m: run_key(cfg, pair_name, m, offset, artifacts) for m in methods}
-        saved = {(b, m): _saved_records(paths[b, m], keys[m]) for b, m in jobs}  # done before an interruption
+        spec = pair_spec(pair_name)
+        tokenizer = load_tokenizer(spec.target, cfg.paths.models_dir)  # prompts without loading the models
+        prompts = {b: stage_prompts(cfg, tokenizer, b, int(e.prompts_per_benchmark), offset) for b in benchmarks}
+        saved = {(b, m): _saved_records(paths[b, m], keys[m], prompts[b]) for b, m in jobs}  # done before an interruption
         todo = [m for m in methods if any(saved[b, m] is None for b in benchmarks)]
         if not todo:
             console.print(f"{pair_name}: every record is saved and up to date")
             continue
-        pair = load_pair(pair_spec(pair_name), dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
+        pair = load_pair(spec, dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
         target_fp32 = pair.target if p.dtype == "float32" else None
-        prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(e.prompts_per_benchmark), offset) for b in benchmarks}
         warm_ids = next(iter(prompts.values()))[0][1]
         decoders = {}
         for method in todo:  # every warm-up before any timing
