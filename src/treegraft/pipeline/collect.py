@@ -199,20 +199,60 @@ def shard_path(collect_dir: Path, pair: str, benchmark: str, question_id: int) -
     return Path(collect_dir) / pair / benchmark / f"q{question_id}.parquet"
 
 
-def pair_is_collected(collect_dir: Path, pair: str, benchmarks_dir, benchmarks: Sequence[str],
-                      num_prompts: int, offset: int) -> bool:
+def pair_is_collected(cfg, collect_dir: Path, pair: str) -> bool:
     """Whether a pair's runtime context, cost model and every prompt's shard are on disk, so a rerun
     of `collect` need not load its models (the question ids come from the benchmark files alone)."""
-    from ..data import BenchmarkConfig, load_benchmark
+    from .common import stage_records
 
-    root = Path(collect_dir) / pair
+    p, root = pair_settings(cfg.pipeline, pair), Path(collect_dir) / pair
     if not ((root / "runtime.json").exists() and (root / "cost_model.json").exists()):
         return False
-    for bench in benchmarks:
-        ds = load_benchmark(BenchmarkConfig(name=bench, benchmarks_dir=benchmarks_dir, num_prompts=num_prompts, offset=offset))
-        if not all(shard_path(collect_dir, pair, bench, int(rec["question_id"])).exists() for rec in ds):
-            return False
-    return True
+    return all(shard_path(collect_dir, pair, bench, int(rec["question_id"])).exists()
+               for bench in p.fit_benchmarks
+               for rec in stage_records(cfg, bench, int(p.prompts_per_benchmark), int(p.prompt_offset)))
+
+
+def _collect_pair(cfg, pair_name: str, collect_dir: Path, console) -> None:
+    """Load a pair, measure its runtime context (runtime.json), then decode and enumerate every prompt
+    not collected yet, one shard per prompt."""
+    import sys
+
+    from tqdm.auto import tqdm
+
+    from ..decoding.factory import tree_config_from
+    from ..models import load_pair
+    from .common import pair_spec, stage_prompts
+
+    p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
+    tree = OmegaConf.to_container(cfg.tree, resolve=True)
+    pair = load_pair(pair_spec(pair_name), dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
+    decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree))
+    budget = decoder.budget()
+    prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(pp.prompts_per_benchmark), int(p.prompt_offset))
+               for b in p.fit_benchmarks}
+    warm_ids = next(iter(prompts.values()))[0][1]
+    t_tgt, t_mid = decoder.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context, not used as data
+    curve = decoder.verify_curve
+    if curve is None:  # a fixed budget: measure the curve anyway, for the report's figure
+        from ..decoding.budget import measure_verify_curve
+
+        curve = measure_verify_curve(pair.target, context=256, max_size=64, stop_ratio=8.0)
+    atomic_write_json({"pair": pair_name, "budget": budget, "t_tgt_ms": t_tgt, "t_mid_ms": t_mid,
+                       "verify_curve": curve}, collect_dir / pair_name / "runtime.json")
+    console.print(f"[bold]{pair_name}[/]: B_ver={budget}, t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")
+    jobs = [(b, qid, ids) for b, items in prompts.items() for qid, ids in items]
+    done = 0
+    for bench, qid, ids in tqdm(jobs, desc=f"collect {pair_name}", file=sys.stderr):
+        path = shard_path(collect_dir, pair_name, bench, qid)
+        if path.exists():  # finished before an interruption
+            done += 1
+            continue
+        meta = {"pair": pair_name, "benchmark": bench, "report": f"{pair_name}/{bench}", "question_id": qid}
+        rows = run_prompt(decoder, ids, pp, meta)
+        if rows:
+            atomic_write_parquet(pd.DataFrame(rows), path)
+    if done:
+        console.print(f"{pair_name}: {done} prompt(s) already collected, skipped")
 
 
 def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict) -> list[dict]:
@@ -235,63 +275,26 @@ def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict
 
 def run_collect(cfg) -> pd.DataFrame:
     """The `collect` stage for every pair of ``cfg.pipeline.pairs``; returns the summary table."""
-    import sys
-
     from rich.console import Console
-    from tqdm.auto import tqdm
 
-    from ..decoding.factory import tree_config_from
-    from ..models import load_pair
     from .artifacts import record_stage, stage_dir
-    from .common import pair_spec, print_table, stage_prompts, to_markdown
+    from .common import print_table, to_markdown
     from .tracking import stage_logger
 
     console = Console(width=200, stderr=True)
     p = cfg.pipeline
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "collect")
-    tree = OmegaConf.to_container(cfg.tree, resolve=True)
     summary = []
     for pair_name in p.pairs:
-        pp = pair_settings(p, pair_name)
-        if pair_is_collected(out_dir, pair_name, cfg.paths.benchmarks_dir, list(p.fit_benchmarks),
-                             int(pp.prompts_per_benchmark), int(p.prompt_offset)):
+        collected = pair_is_collected(cfg, out_dir, pair_name)
+        if collected:
             console.print(f"{pair_name}: every prompt already collected, skipped (no model loaded)")
-            summary += collect_summary(load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name), int(cfg.tree.depth))
-            continue
-        spec = pair_spec(pair_name)
-        pair = load_pair(spec, dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
-        decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree))
-        budget = decoder.budget()
-        prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(pp.prompts_per_benchmark), int(p.prompt_offset))
-                   for b in p.fit_benchmarks}
-        warm_ids = next(iter(prompts.values()))[0][1]
-        t_tgt, t_mid = decoder.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context, not used as data
-        curve = decoder.verify_curve
-        if curve is None:  # a fixed budget: measure the curve anyway, for the report's figure
-            from ..decoding.budget import measure_verify_curve
-
-            curve = measure_verify_curve(pair.target, context=256, max_size=64, stop_ratio=8.0)
-        atomic_write_json({"pair": pair_name, "budget": budget, "t_tgt_ms": t_tgt, "t_mid_ms": t_mid,
-                           "verify_curve": curve}, out_dir / pair_name / "runtime.json")
-        console.print(f"[bold]{pair_name}[/]: B_ver={budget}, t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")
-        jobs = [(b, qid, ids) for b, items in prompts.items() for qid, ids in items]
-        done = 0
-        for bench, qid, ids in tqdm(jobs, desc=f"collect {pair_name}", file=sys.stderr):
-            path = shard_path(out_dir, pair_name, bench, qid)
-            if path.exists():  # finished before an interruption
-                done += 1
-                continue
-            meta = {"pair": pair_name, "benchmark": bench, "report": f"{pair_name}/{bench}", "question_id": qid}
-            rows = run_prompt(decoder, ids, pp, meta)
-            if rows:
-                atomic_write_parquet(pd.DataFrame(rows), path)
-        if done:
-            console.print(f"{pair_name}: {done} prompt(s) already collected, skipped")
+        else:
+            _collect_pair(cfg, pair_name, out_dir, console)
         pair_rows = load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name)
-        cost = fit_cost_model(pair_rows)
-        atomic_write_json(cost, out_dir / pair_name / "cost_model.json")
+        if not collected:
+            atomic_write_json(fit_cost_model(pair_rows), out_dir / pair_name / "cost_model.json")
         summary += collect_summary(pair_rows, int(cfg.tree.depth))
-        del pair, decoder
     df = pd.DataFrame(summary)
     from .artifacts import atomic_write_text
 

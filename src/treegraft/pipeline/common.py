@@ -36,12 +36,16 @@ def fit_pairs(cfg: DictConfig) -> list[str]:
     return pairs
 
 
+def stage_records(cfg: DictConfig, benchmark: str, num_prompts: int, offset: int):
+    """The benchmark records a stage uses (their question ids need no tokenizer)."""
+    return load_benchmark(BenchmarkConfig(name=benchmark, benchmarks_dir=cfg.paths.benchmarks_dir,
+                                          num_prompts=num_prompts, offset=offset))
+
+
 def stage_prompts(cfg: DictConfig, tokenizer, benchmark: str, num_prompts: int, offset: int) -> list[tuple[int, list[int]]]:
     """(question_id, prompt token ids) of one benchmark, chat-formatted, cut to ``max_prompt_tokens``."""
-    ds = load_benchmark(BenchmarkConfig(name=benchmark, benchmarks_dir=cfg.paths.benchmarks_dir,
-                                        num_prompts=num_prompts, offset=offset))
     out = []
-    for rec in ds:
+    for rec in stage_records(cfg, benchmark, num_prompts, offset):
         ids = tokenizer(format_prompt(tokenizer, rec["turns"][0]), add_special_tokens=False).input_ids
         if cfg.pipeline.max_prompt_tokens:
             ids = ids[-int(cfg.pipeline.max_prompt_tokens):]
