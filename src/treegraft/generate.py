@@ -3,7 +3,7 @@
 Run:
     python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=ar \
         prompt="Write a Python function that checks whether a number is prime." max_new_tokens=128
-    python -m treegraft.generate pair=smollm2-135m__self prompt_file=my_prompt.txt dtype=bfloat16
+    python -m treegraft.generate pair=smollm2-135m__self prompt_file=my_prompt.txt runtime=float32_packed
     python -m treegraft.generate pair=tiny-random chat_template=false prompt="hello" temperature=0.8 seed=3
     python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=all_mid tree.budget=auto prompt="..."
 
@@ -51,12 +51,15 @@ def run(cfg: DictConfig) -> int:
     from .decoding.factory import LEARNED_METHODS, load_learned_scheduler
     from .decoding.factory import build_decoder
     from .models import load_pair
+    from .models.runtime import effective_runtime
 
     text = read_prompt(cfg)
     if not text.strip():
         raise ValueError("empty prompt: give a non-empty prompt or prompt_file")
     pair_spec = instantiate(cfg.pair)
-    pair = load_pair(pair_spec, dtype=cfg.dtype, device=cfg.device, models_dir=cfg.paths.models_dir)
+    runtime = effective_runtime(cfg.runtime, cfg.dtype)
+    pair = load_pair(pair_spec, device=cfg.device, models_dir=cfg.paths.models_dir, runtime=runtime,
+                     cache_dir=cfg.paths.cache_dir, log=lambda line: print(line, file=sys.stderr))
     tokenizer = pair.tokenizer
     prompt = format_prompt(tokenizer, text) if cfg.chat_template else text
     prompt_ids = tokenizer(prompt, add_special_tokens=not cfg.chat_template).input_ids
@@ -74,7 +77,7 @@ def run(cfg: DictConfig) -> int:
     sys.stdout.flush()
     stats = (
         f"[{method}] pair={pair_spec.name} new_tokens={result.new_tokens} prompt_tokens={result.prompt_tokens} "
-        f"time={result.wall_time_s:.2f}s tokens/s={result.tokens_per_s:.2f} stop={result.stop_reason} dtype={cfg.dtype}"
+        f"time={result.wall_time_s:.2f}s tokens/s={result.tokens_per_s:.2f} stop={result.stop_reason} runtime={pair.runtime}"
     )
     if result.turns:
         mean_al = sum(t["accepted"] for t in result.turns) / len(result.turns)
@@ -86,10 +89,11 @@ def run(cfg: DictConfig) -> int:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
 def main(cfg: DictConfig) -> None:
     from .models import ModelLoadError, TokenizerMismatchError
+    from .models.runtime import RuntimeUnavailable
 
     try:
         run(cfg)
-    except (ModelLoadError, TokenizerMismatchError, ValueError, FileNotFoundError) as err:
+    except (ModelLoadError, TokenizerMismatchError, RuntimeUnavailable, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 

@@ -15,6 +15,8 @@ __all__ = [
     "new_cache",
     "cache_length",
     "lm_logits",
+    "head_weight",
+    "logit_softcap",
     "attention_mask_for",
     "forward_hidden",
     "keep_cache_positions",
@@ -40,6 +42,19 @@ def lm_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     if cap is not None:
         logits = torch.tanh(logits / cap) * cap
     return logits.float()
+
+
+def head_weight(model: nn.Module) -> torch.Tensor:
+    """The LM head's dense weight ``[V, H]`` (kept by every runtime for the head: drafters read rows of it)."""
+    weight = getattr(model.get_output_embeddings(), "weight", None)
+    if weight is None:
+        raise ValueError(f"{type(model).__name__}'s LM head keeps no dense weight")
+    return weight
+
+
+def logit_softcap(model: nn.Module) -> float | None:
+    """Gemma's final logit soft-capping (None for models without it)."""
+    return getattr(model.config, "final_logit_softcapping", None)
 
 
 def _sliding_window(model: nn.Module) -> int | None:

@@ -18,3 +18,8 @@ def default_models_dir() -> Path:
 def default_benchmarks_dir() -> Path:
     """Benchmark question files: $TREEGRAFT_BENCHMARKS, else <repo>/data/benchmarks."""
     return Path(os.environ.get("TREEGRAFT_BENCHMARKS", REPO_ROOT / "data" / "benchmarks"))
+
+
+def default_cache_dir() -> Path:
+    """Per-machine measurements (runtime choice, verification curves): $TREEGRAFT_CACHE, else <repo>/outputs/cache."""
+    return Path(os.environ.get("TREEGRAFT_CACHE", REPO_ROOT / "outputs" / "cache"))

@@ -16,8 +16,10 @@ has the target's distribution.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -25,14 +27,18 @@ from torch import nn
 
 from ..drafters.middle import MiddleDrafter
 from ..drafters.ngram import NGramConfig, NGramDrafter
+from ..drafters.vocab import SubsetHead, VocabSubset, frequent_tokens
+from ..model_io import (cache_length, forward_hidden, head_weight, keep_cache_positions, lm_logits, logit_softcap,
+                        new_cache)
+from ..paths import default_cache_dir
 from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
-from ..tree import MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_to_budget
+from ..tree import MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_order, prune_to_budget
 from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, make_generator, prepare_prompt
-from ..model_io import cache_length, forward_hidden, keep_cache_positions, lm_logits, new_cache
+from .budget import BudgetPlanner, cached_verify_curve
 from .sampling import SamplingConfig
 from .verify import accept_greedy, accept_sampling
 
-__all__ = ["TreeConfig", "TreeGraftDecoder", "MethodPreset", "METHOD_PRESETS"]
+__all__ = ["TreeConfig", "TreeGraftDecoder", "MethodPreset", "METHOD_PRESETS", "auto_shape"]
 
 
 @dataclass(frozen=True)
@@ -73,8 +79,15 @@ class TreeConfig:
         Cascade-Speculative-Drafting chain: the middle drafter drafts D tokens, itself sped up by the
         n-gram drafter's proposals, and the target verifies the chain).
     depth: D drafting steps; width: W nodes expanded per step; top_m: children per expanded node.
-    budget: B_ver, non-root nodes verified per turn, or ``"auto"`` (picked from the measured
-        verification-latency curve, see :func:`treegraft.decoding.budget.pick_budget`).
+    budget: B_ver, non-root nodes verified per turn, or ``"auto"``: chosen before every turn by
+        expected throughput from the measured verification curve and the acceptance observed so far
+        (:class:`treegraft.decoding.budget.BudgetPlanner`), up to ``auto_max_budget``.
+    shape: ``"paper"``: every step expands ``width`` nodes with ``top_m`` children and a middle step
+        rescores the whole tree (SPEC 3, GPU-shaped); ``"auto"``: W, m and the middle step's rescoring
+        scope follow B_ver (:func:`auto_shape`; ``width`` / ``top_m`` become caps), so construction
+        grows with B_ver, not with W * m * D. The Hydra configs default to ``auto``.
+    draft_vocab: size K of the middle drafter's restricted draft vocabulary (the K most frequent
+        tokens plus the context's, :mod:`treegraft.drafters.vocab`); None = the full vocabulary.
     node_cap: construction stops adding nodes past this many.
     schedule: the fixed schedule (1 = call the middle drafter, 0 = skip) of ``fixed`` and the ablations.
     grafting / expanded_selection: override the method's preset (``nondestructive|destructive``, bool).
@@ -95,9 +108,10 @@ class TreeConfig:
     expanded_selection: bool | None = None
     max_calls_per_turn: int | None = None
     ngram: NGramConfig = field(default_factory=NGramConfig)
-    auto_latency_ratio: float = 2.0
-    auto_max_budget: int = 64
+    auto_max_budget: int = 63
     skip_beyond_budget: bool = True
+    shape: str = "paper"
+    draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.ngram, dict):
@@ -115,6 +129,10 @@ class TreeConfig:
             raise ValueError(f"schedule must be {self.depth} actions of 0 (skip) or 1 (call), got {self.schedule}")
         if self.grafting not in (None, "nondestructive", "destructive"):
             raise ValueError(f"grafting must be nondestructive or destructive, got {self.grafting!r}")
+        if self.shape not in ("auto", "paper"):
+            raise ValueError(f"shape must be auto or paper, got {self.shape!r}")
+        if self.draft_vocab is not None and int(self.draft_vocab) < 1:
+            raise ValueError(f"draft_vocab must be a positive size or null, got {self.draft_vocab!r}")
 
     @property
     def preset(self) -> MethodPreset:
@@ -135,6 +153,19 @@ class TreeConfig:
         if kind == "mid":
             return [MIDDLE] * self.depth
         return list(self.schedule)
+
+
+def auto_shape(budget: int, max_width: int = 10, max_top_m: int = 10) -> tuple[int, int, int]:
+    """``(W, m, scope)`` of ``shape=auto`` for B_ver = ``budget``.
+
+    W = m = 1 + ceil(sqrt(B)) (capped): about D * W * m = 5 * (1 + sqrt B)^2 candidates for B kept
+    nodes, enough to fill the budget with the best-scored ones (B = 8: 4 x 4; B = 31: 7 x 7; B = 63:
+    9 x 9, the paper's size). A middle step rescores (and may graft under) only the first
+    ``scope = 2 * B + W`` nodes in pruning order: nodes ranked below cannot enter the verified tree
+    unless the middle drafter lifts them, and encoding them would cost a forward row each.
+    """
+    side = 1 + math.ceil(math.sqrt(max(int(budget), 1)))
+    return min(max_width, side), min(max_top_m, side), 2 * int(budget) + side
 
 
 @dataclass
@@ -161,18 +192,32 @@ class TreeGraftDecoder:
         sampling: SamplingConfig | None = None,
         eos_ids: set[int] | None = None,
         scheduler: Scheduler | None = None,
+        cache_dir: str | Path | None = None,
     ):
         self.target = target
+        self.tokenizer = tokenizer
         self.cfg = cfg or TreeConfig()
         self.sampling = sampling or SamplingConfig()
         self.eos_ids = set(eos_ids) if eos_ids is not None else eos_token_ids(target, tokenizer)
         self.device = next(target.parameters()).device
-        self.middle = MiddleDrafter(middle) if middle is not None else None
-        if scheduler is None and MIDDLE in self.cfg.actions() and self.middle is None:
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        # the middle drafter exists only where it may be called (every method but all_small, whose
+        # schedule is all skips; a learned policy may call with any method)
+        may_call = scheduler is not None or self.cfg.preset.schedule != "small"
+        if may_call and scheduler is None and middle is None:
             raise ValueError(f"method {self.cfg.method} calls the middle drafter, but none was given")
+        draft_vocab = None
+        if middle is not None and may_call and self.cfg.draft_vocab:
+            draft_vocab = self._frequent(int(self.cfg.draft_vocab), head_weight(middle).shape[0])
+        self.middle = MiddleDrafter(middle, draft_vocab) if middle is not None and may_call else None
+        # a fixed schedule that calls pays the middle drafter's prefill up front; a learned policy, which
+        # may never call, pays it at its first call (the drafter's cache catches up on pending tokens)
+        self._eager_middle_prefill = scheduler is None
         self.ngram = NGramDrafter(self.cfg.ngram)
         self._budget: int | None = None if self.cfg.budget == "auto" else int(self.cfg.budget)
-        self.verify_curve: dict[int, float] | None = None
+        self.planner: BudgetPlanner | None = None
+        self._turn_budget = 0
+        self._al_mean = 0.0  # running mean of AL: how many likely-path rows verification prefetches
         self.scheduler: Scheduler = scheduler or FixedScheduler(self.cfg.actions())
         # runtime context of the scheduler state (ms per target verification / middle forward),
         # measured by a warm-up; 0 = unknown
@@ -181,15 +226,33 @@ class TreeGraftDecoder:
         self.prompt_len = 0
 
     # ------------------------------------------------------------------ setup
-    def budget(self) -> int:
-        """B_ver; measured once per decoder when ``budget='auto'``."""
-        if self._budget is None:
-            from .budget import measure_verify_curve, pick_budget
+    def _frequent(self, k: int, vocab_size: int) -> torch.Tensor:
+        """The ``k`` most frequent token ids (:func:`~treegraft.drafters.vocab.frequent_tokens`; by id
+        without a tokenizer)."""
+        if self.tokenizer is None:
+            return torch.arange(min(k, vocab_size))
+        return frequent_tokens(self.tokenizer, k, vocab_size, self.cache_dir)
 
-            self.verify_curve = measure_verify_curve(self.target, context=256, max_size=self.cfg.auto_max_budget,
-                                                     stop_ratio=self.cfg.auto_latency_ratio)
-            self._budget = pick_budget(self.verify_curve, self.cfg.auto_latency_ratio)
-        return self._budget
+    @property
+    def verify_curve(self) -> dict[int, float] | None:
+        return self.planner.curve if self.planner is not None else None
+
+    def budget(self) -> int:
+        """B_ver of the current turn: the configured value, or (``auto``) the planner's choice, made
+        when the turn's tree is started (the curve is measured, or read from the cache, once)."""
+        if self._budget is not None:
+            return self._budget
+        if self.planner is None:
+            curve = cached_verify_curve(self.target, self.cache_dir, self.cfg.auto_max_budget)
+            self.planner = BudgetPlanner(curve, self.cfg.auto_max_budget)
+            self._turn_budget = self.planner.choose()
+        return self._turn_budget
+
+    def shape(self) -> tuple[int, int, int | None]:
+        """``(W, m, rescoring scope)`` of the current turn (scope None: the whole tree)."""
+        if self.cfg.shape == "paper":
+            return self.cfg.width, self.cfg.top_m, None
+        return auto_shape(self.budget(), self.cfg.width, self.cfg.top_m)
 
     def warm_up(self, prompt_ids: Sequence[int], max_new_tokens: int = 8) -> tuple[float, float]:
         """Measure the scheduler's runtime context on a warm-up generation that calls the middle
@@ -207,7 +270,14 @@ class TreeGraftDecoder:
         return self.t_tgt_ms, self.t_mid_ms
 
     def _prefill(self, prompt_ids: list[int]) -> None:
-        """Target cache over prompt[:-1], target top-m at those positions, n-gram index, middle cache."""
+        """Target cache over prompt[:-1], the n-gram drafter's target scores there, its index, the middle
+        drafter's context.
+
+        The scores are the target's top-m log-probabilities at every prompt position. With
+        ``ngram.prefill_vocab`` = K they are a log-softmax over the K most frequent tokens plus the
+        prompt's own (every token a prompt position can propose): the LM head then costs K / V of a
+        full-vocabulary head over the prompt, which keeps the time to first token near ``ar``'s.
+        """
         self.cache = new_cache()
         ctx = prompt_ids[:-1]
         m = self.cfg.ngram.top_m
@@ -216,23 +286,33 @@ class TreeGraftDecoder:
         if ctx:
             toks = torch.tensor(ctx, device=self.device)
             hidden = forward_hidden(self.target, self.cache, toks, torch.arange(len(ctx), device=self.device), None)
+            head = None
+            if self.cfg.ngram.prefill_vocab:
+                weight = head_weight(self.target)
+                subset = VocabSubset(self._frequent(int(self.cfg.ngram.prefill_vocab), weight.shape[0]), weight.shape[0])
+                subset.add(prompt_ids)
+                head = SubsetHead(weight, subset, logit_softcap(self.target))
             ids, lps = [], []
             for chunk in hidden.split(64):  # bounded memory: [64, V] logits at a time
-                logp = torch.log_softmax(lm_logits(self.target, chunk), dim=-1)
-                v, i = logp.topk(m, dim=-1)
-                ids.append(i.cpu())
+                if head is None:
+                    logp = torch.log_softmax(lm_logits(self.target, chunk), dim=-1)
+                else:
+                    logp = head.log_softmax(chunk)
+                v, i = logp.topk(min(m, logp.shape[-1]), dim=-1)
+                ids.append((i if head is None else head.subset.ids[i]).cpu())
                 lps.append(v.cpu())
             top_ids, top_lps = torch.cat(ids), torch.cat(lps)
         self.ngram.reset(prompt_ids, top_ids, top_lps)
         if self.middle is not None:
-            self.middle.reset(prompt_ids)
+            self.middle.reset(prompt_ids, encode=self._eager_middle_prefill)
 
     # ------------------------------------------------------------------ drafting
     def _expand_small(self, tree: DraftTree, nodes: list[int], step: int, stats: dict) -> None:
         start = time.perf_counter()
         cap = self.cfg.node_cap
+        m = self.shape()[1]
         for node in nodes:
-            children, _ = self.ngram.propose(tree.path_tokens(node), self.cfg.top_m)
+            children, _ = self.ngram.propose(tree.path_tokens(node), m)
             for token, score in children:
                 if len(tree) >= cap:
                     break
@@ -248,10 +328,10 @@ class TreeGraftDecoder:
         before = mid.forward_s
         mid.encode(tree, nodes)
         stats["middle_forward_s"] += mid.forward_s - before
-        m, cap = self.cfg.top_m, self.cfg.node_cap
+        m, cap = self.shape()[1], self.cfg.node_cap
         for node in nodes:
             lp, ids = mid.logprobs[node].topk(m)
-            for token, score in zip(ids.tolist(), lp.tolist()):
+            for token, score in zip(ids, lp):
                 if len(tree) >= cap:
                     break
                 tree.add_child(node, token, score, MIDDLE, step)
@@ -261,7 +341,23 @@ class TreeGraftDecoder:
     def _top_w(self, tree: DraftTree, pool: list[int]) -> list[int]:
         """The W best pool nodes by cum (ties: shallower, then earlier created)."""
         pool = sorted(pool, key=lambda n: (-tree.cum[n], tree.depth[n], n))
-        return pool[: self.cfg.width]
+        return pool[: self.shape()[0]]
+
+    def _rescore_scope(self, tree: DraftTree) -> list[int]:
+        """The nodes a shared middle step encodes, rescores and may graft under (alive, in id order):
+        the whole tree, or with ``shape=auto`` the root plus the first ``scope`` nodes in pruning order."""
+        scope = self.shape()[2]
+        if scope is None:
+            return tree.alive_nodes()
+        return sorted([0] + prune_order(tree)[:scope])
+
+    def _middle_pool(self, tree: DraftTree, step: int, scope: list[int]) -> list[int]:
+        """Where a shared middle step may graft: unvisited nodes of the scope at any depth (expanded
+        selection), or the previous step's unvisited nodes (the ablation)."""
+        if self.cfg.preset.expanded_selection:
+            return [n for n in scope if not tree.visited[n]]
+        in_scope = set(scope)
+        return [n for n in self._newest_pool(tree, step) if not tree.visited[n] and n in in_scope]
 
     def _newest_pool(self, tree: DraftTree, step: int) -> list[int]:
         """The nodes created at the previous step (the root at step 1); empty if that step added none,
@@ -274,21 +370,18 @@ class TreeGraftDecoder:
         mid = self.middle
         preset = self.cfg.preset
         before = mid.forward_s
-        alive = tree.alive_nodes()
-        parents = [n for n in alive if tree.children[n]]
-        # one incremental forward over every node not yet encoded; q_m at every node with children
-        mid.encode(tree, alive, need_logprobs=parents)
-        for n in alive[1:]:  # asymmetric scoring: the middle drafter recomputes every edge and cum
-            tree.edge[n] = float(mid.logprobs[tree.parent[n]][tree.token[n]])
+        scope = self._rescore_scope(tree)
+        in_scope = set(scope)
+        parents = [n for n in scope if any(c in in_scope for c in tree.children[n].values())]
+        # one incremental forward over every scope node not yet encoded; q_m at every scope parent
+        mid.encode(tree, scope, need_logprobs=parents)
+        for n in scope[1:]:  # asymmetric scoring: the middle drafter recomputes every edge and cum in scope
+            tree.edge[n] = mid.logprobs[tree.parent[n]].score(tree.token[n])
         tree.recompute_cum(0)
-        if preset.expanded_selection:
-            pool = [n for n in alive if not tree.visited[n]]
-        else:
-            pool = [n for n in self._newest_pool(tree, step) if not tree.visited[n]]
-        selected = self._top_w(tree, pool)
+        selected = self._top_w(tree, self._middle_pool(tree, step, scope))
         mid.encode(tree, selected)  # already encoded: this only adds their log-probability rows
         stats["middle_forward_s"] += mid.forward_s - before
-        m, cap = self.cfg.top_m, self.cfg.node_cap
+        m, cap = self.shape()[1], self.cfg.node_cap
         for node in selected:
             if not tree.alive[node]:  # removed by a destructive graft above it in this same step
                 continue
@@ -296,7 +389,7 @@ class TreeGraftDecoder:
             if preset.grafting == "destructive":
                 tree.remove_subtrees_below(node)
             lp, ids = mid.logprobs[node].topk(m)
-            for token, score in zip(ids.tolist(), lp.tolist()):
+            for token, score in zip(ids, lp):
                 child = tree.children[node].get(token)
                 if child is not None:  # non-destructive: the branch stays, with the middle's score
                     tree.edge[child] = score
@@ -314,11 +407,7 @@ class TreeGraftDecoder:
         depth, alive = tree.depth, tree.alive
         if any(alive[n] and depth[n] <= horizon for n in range(rescored_from, len(tree))):
             return False
-        if self.cfg.preset.expanded_selection:
-            pool = [n for n in range(len(tree)) if alive[n] and not tree.visited[n]]
-        else:
-            pool = [n for n in self._newest_pool(tree, step) if not tree.visited[n]]
-        return all(depth[n] >= horizon for n in pool)
+        return all(depth[n] >= horizon for n in self._middle_pool(tree, step, self._rescore_scope(tree)))
 
     def step_state(self, tree: DraftTree, step: int, history: list[int], with_signals: bool) -> StepState:
         """The scheduler's view before step ``step``'s action (SPEC 5.1)."""
@@ -328,9 +417,9 @@ class TreeGraftDecoder:
             match, top1 = 0, None
             if frontier:
                 best = min(frontier, key=lambda n: (-tree.cum[n], tree.depth[n], n))
-                children, match = self.ngram.propose(tree.path_tokens(best), self.cfg.top_m)
+                children, match = self.ngram.propose(tree.path_tokens(best), self.shape()[1])
                 top1 = children[0][1] if children else None
-            signals = tree_signals(tree, step, self.cfg.width, match, top1)
+            signals = tree_signals(tree, step, self.shape()[0], match, top1)
         return StepState(step=step, depth=self.cfg.depth, history=list(history), prompt_len=self.prompt_len,
                          t_tgt_ms=self.t_tgt_ms, t_mid_ms=self.t_mid_ms, signals=signals)
 
@@ -341,9 +430,8 @@ class TreeGraftDecoder:
         forward scores it; the middle keeps the longest prefix equal to its own argmax choices and
         adds its argmax after it (a lossless greedy cascade at the drafting level).
         """
-        tree = DraftTree.with_root(root_token)
+        tree, _ = self.start_tree(root_token)
         mid = self.middle
-        mid.start_turn()
         depth = self.cfg.depth
         if self.cfg.skip_beyond_budget:
             depth = min(depth, self.budget())  # chain tokens past B_ver would be pruned anyway
@@ -371,15 +459,15 @@ class TreeGraftDecoder:
             cur = end
             for node in chain:
                 logp = mid.logprobs[cur]
-                if int(torch.argmax(logp)) != tree.token[node]:
+                if logp.argmax() != tree.token[node]:
                     break
-                tree.edge[node] = float(logp[tree.token[node]])
+                tree.edge[node] = logp.score(tree.token[node])
                 tree.cum[node] = tree.cum[cur] + tree.edge[node]
                 cur = node
             tree.remove_subtrees_below(cur)  # the middle drafter's rejection of the rest
             logp = mid.logprobs[cur]
-            best = int(torch.argmax(logp))
-            end = tree.add_child(cur, best, float(logp[best]), MIDDLE, tree.depth[cur] + 1)
+            best = logp.argmax()
+            end = tree.add_child(cur, best, logp.score(best), MIDDLE, tree.depth[cur] + 1)
             stats["middle_s"] += time.perf_counter() - t1
         stats["schedule"] = [MIDDLE] * depth
         return tree
@@ -410,9 +498,13 @@ class TreeGraftDecoder:
         return tree
 
     def start_tree(self, root_token: int) -> tuple[DraftTree, "BuildState"]:
-        """A turn's root-only tree and its construction state (the middle drafter starts a new turn)."""
+        """A turn's root-only tree and its construction state (the middle drafter starts a new turn;
+        with ``budget=auto`` the turn's B_ver is chosen here)."""
         if self.middle is not None:
             self.middle.start_turn()
+        if self._budget is None:
+            self.budget()
+            self._turn_budget = self.planner.choose()
         return DraftTree.with_root(root_token), BuildState()
 
     def apply_step(self, tree: DraftTree, build: "BuildState", step: int, action: int, stats: dict) -> None:
@@ -453,7 +545,9 @@ class TreeGraftDecoder:
 
         Returns ``(inputs, acceptance)``. The target cache then holds the context plus every verified
         row; the caller keeps the accepted rows (``keep_cache_positions``) or drops them all
-        (``truncate_cache(cache, int(inputs.position_ids[0]))``).
+        (``truncate_cache(cache, int(inputs.position_ids[0]))``). The LM head runs only on the rows
+        acceptance visits: the likely path (the root and its best-scored descendants, as many as the
+        recent mean AL suggests) in one batch, any other row when the walk reaches it.
         """
         kept = prune_to_budget(tree, self.budget())
         start = time.perf_counter()
@@ -466,13 +560,19 @@ class TreeGraftDecoder:
         hidden = forward_hidden(
             self.target, self.cache, inputs.tokens.to(self.device), inputs.position_ids.to(self.device), allowed
         )
+        likely = [0]
+        while len(likely) < 1 + round(self._al_mean) and inputs.child_rows[likely[-1]]:
+            kids = inputs.child_rows[likely[-1]].values()
+            likely.append(max(kids, key=lambda r: (tree.cum[inputs.node_ids[r]], -r)))
+        rows = dict(zip(likely, lm_logits(self.target, hidden[likely])))
         stats["target_forward_s"] += time.perf_counter() - fwd
 
         def row_logits(row: int) -> torch.Tensor:
-            t0 = time.perf_counter()
-            out = lm_logits(self.target, hidden[row])
-            stats["target_forward_s"] += time.perf_counter() - t0
-            return out
+            if row not in rows:
+                t0 = time.perf_counter()
+                rows[row] = lm_logits(self.target, hidden[row])
+                stats["target_forward_s"] += time.perf_counter() - t0
+            return rows[row]
 
         if self.sampling.greedy:
             acc = accept_greedy(inputs, row_logits)
@@ -490,6 +590,7 @@ class TreeGraftDecoder:
         stats = {"small_s": 0.0, "middle_s": 0.0, "verify_s": 0.0, "small_calls": 0, "middle_calls": 0,
                  "target_forward_s": 0.0, "middle_forward_s": 0.0}
         tree = self.build_tree(root, actions, stats)
+        budget = self.budget()
         inputs, acc = self.verify_tree(tree, stats, generator)
         L = int(inputs.position_ids[0])  # the root sits at the context length
         start = time.perf_counter()
@@ -510,16 +611,23 @@ class TreeGraftDecoder:
         stats["small_s"] += time.perf_counter() - start
         if self.middle is not None:
             self.middle.commit(path_nodes, path_tokens)
+        self._al_mean = 0.8 * self._al_mean + 0.2 * acc.accepted
+        if self.planner is not None:  # learn acceptance by pruning rank, and this turn's costs
+            self.planner.acceptance.update(tree, prune_order(tree), set(inputs.node_ids[1:]), path_nodes[1:], emitted,
+                                           self.sampling.greedy)
 
         stats.update(
             accepted=acc.accepted,
             tree_nodes=len(tree),
             verified_nodes=inputs.size - 1,
+            budget=budget,
             turn_s=time.perf_counter() - turn_start,
         )
         stats["other_s"] = stats["turn_s"] - stats["small_s"] - stats["middle_s"] - stats["verify_s"]
         # what is not a model forward: tree building, n-gram lookups, masks, acceptance, cache compaction
         stats["outside_forward_s"] = stats["turn_s"] - stats["target_forward_s"] - stats["middle_forward_s"]
+        if self.planner is not None:
+            self.planner.observe(budget, stats["target_forward_s"], stats["turn_s"] - stats["target_forward_s"])
         return emitted, stats
 
     # ------------------------------------------------------------------ public

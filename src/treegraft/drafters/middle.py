@@ -6,7 +6,12 @@ call), then one slot per tree node it encoded this turn. A call encodes only the
 it has not encoded yet (and their unencoded ancestors), with tree attention: a node attends to the
 context, the pending chain, and its ancestors' slots. After verification :meth:`commit` keeps the
 slots of the accepted path that were encoded (a prefix of it) and queues the rest as pending, so
-the cache never holds a rejected token.
+the cache never holds a rejected token. The prompt itself is pending after :meth:`reset`: a method
+that never calls the drafter never pays for its prefill.
+
+With a restricted draft vocabulary (:class:`~treegraft.drafters.vocab.SubsetHead`: the K most
+frequent tokens plus every context token), log-probabilities are a log-softmax over that subset;
+verification is untouched, so decoding stays lossless.
 """
 
 from __future__ import annotations
@@ -16,15 +21,46 @@ import time
 import torch
 from torch import nn
 
-from ..model_io import cache_length, forward_hidden, keep_cache_positions, lm_logits, new_cache, truncate_cache
+from ..model_io import (cache_length, forward_hidden, head_weight, keep_cache_positions, lm_logits, logit_softcap,
+                        new_cache, truncate_cache)
 from ..tree import DraftTree
+from .vocab import SubsetHead, VocabSubset
 
-__all__ = ["MiddleDrafter"]
+__all__ = ["MiddleDrafter", "TokenLogProbs"]
+
+
+class TokenLogProbs:
+    """log q(. | node): over the whole vocabulary (``ids`` None, ``logp`` [V]) or over a subset
+    (``logp`` [S] for the token ids ``ids`` [S]; a token outside scores the subset's minimum)."""
+
+    __slots__ = ("logp", "ids", "pos_of")
+
+    def __init__(self, logp: torch.Tensor, ids: torch.Tensor | None = None, pos_of: torch.Tensor | None = None):
+        self.logp, self.ids, self.pos_of = logp, ids, pos_of
+
+    def topk(self, m: int) -> tuple[list[float], list[int]]:
+        """The ``m`` best (log-probability, token) pairs, best first."""
+        values, idx = self.logp.topk(min(m, self.logp.shape[-1]))
+        tokens = idx if self.ids is None else self.ids[idx]
+        return values.tolist(), tokens.tolist()
+
+    def score(self, token: int) -> float:
+        if self.ids is None:
+            return float(self.logp[token])
+        pos = int(self.pos_of[token])
+        return float(self.logp[pos]) if 0 <= pos < self.logp.shape[-1] else float(self.logp.min())
+
+    def argmax(self) -> int:
+        i = int(torch.argmax(self.logp))
+        return i if self.ids is None else int(self.ids[i])
 
 
 class MiddleDrafter:
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, draft_vocab: torch.Tensor | None = None):
+        """``draft_vocab``: ids of a restricted draft vocabulary (LongTensor [K]); None = full vocabulary."""
         self.model = model
+        self.draft_vocab = draft_vocab
+        self.head: SubsetHead | None = None
         self.device = next(model.parameters()).device
         self.cache = None
         self.committed = 0  # cached context positions (before any tree slot)
@@ -36,13 +72,19 @@ class MiddleDrafter:
         self.tokens_encoded = 0  # tokens through the model's forward (context catch-up and tree nodes)
         self.forward_s = 0.0  # seconds inside the model (forwards and LM-head rows), for the time split
 
-    def reset(self, prompt_ids: list[int]) -> None:
-        """Encode the prompt except its last token (which is the first turn's root)."""
+    def reset(self, prompt_ids: list[int], encode: bool = False) -> None:
+        """A new context: the prompt except its last token (the first turn's root), encoded now with
+        ``encode``, else pending until the first call."""
         self.cache = new_cache()
         self.committed = 0
         self.pending = list(prompt_ids[:-1])
         self.slot_of, self.logprobs, self.hidden = {}, {}, {}
-        if self.pending:
+        if self.draft_vocab is not None:
+            vocab_size = head_weight(self.model).shape[0]
+            subset = VocabSubset(self.draft_vocab, vocab_size)
+            subset.add(prompt_ids)
+            self.head = SubsetHead(head_weight(self.model), subset, logit_softcap(self.model))
+        if encode and self.pending:
             start = time.perf_counter()
             with torch.inference_mode():
                 toks = torch.tensor(self.pending, device=self.device)
@@ -94,10 +136,16 @@ class MiddleDrafter:
         if missing:
             start = time.perf_counter()
             rows = self._hidden_rows(missing)
-            logp = torch.log_softmax(lm_logits(self.model, rows), dim=-1)
+            if self.head is None:
+                logp = torch.log_softmax(lm_logits(self.model, rows), dim=-1)
+                for i, node in enumerate(missing):
+                    self.logprobs[node] = TokenLogProbs(logp[i])
+            else:
+                logp = self.head.log_softmax(rows)
+                ids, pos_of = self.head.subset.ids, self.head.subset.pos_of
+                for i, node in enumerate(missing):
+                    self.logprobs[node] = TokenLogProbs(logp[i], ids, pos_of)
             self.forward_s += time.perf_counter() - start
-            for i, node in enumerate(missing):
-                self.logprobs[node] = logp[i]
 
     def _forward(self, tree: DraftTree, new_nodes: list[int]) -> None:
         device = self.device
@@ -159,4 +207,6 @@ class MiddleDrafter:
             keep_cache_positions(self.cache, self.committed, tail)
         self.committed += kept
         self.pending.extend(path_tokens[kept:])
+        if self.head is not None:  # emitted tokens join the draft vocabulary (whatever is in context stays scorable)
+            self.head.add(path_tokens)
         self.slot_of, self.logprobs, self.hidden = {}, {}, {}

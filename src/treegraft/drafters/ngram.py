@@ -30,6 +30,9 @@ class NGramConfig:
     uncached_score: float = -12.0
     # only the most recent occurrences of an n-gram are read (bounds the cost for frequent unigrams)
     max_occurrences: int = 64
+    # scores at prompt positions: log-softmax over the K most frequent tokens plus the prompt's own
+    # (None: the full vocabulary); see TreeGraftDecoder._prefill
+    prefill_vocab: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_n < 1 or self.top_m < 1:

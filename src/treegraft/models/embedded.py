@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 
+import torch
+
 from .gguf_convert import CONVERTER_VERSION, convert_gguf_to_hf
 
 __all__ = ["EmbeddedModel", "EMBEDDED_MODELS", "DEFAULT_MODELS", "gguf_parts", "prepare_embedded_model", "is_converted"]
@@ -164,3 +166,55 @@ def prepare_embedded_model(name: str, models_dir: str | os.PathLike, progress: b
 
 def remove_embedded_model(name: str, models_dir: str | os.PathLike) -> None:
     shutil.rmtree(Path(models_dir) / name, ignore_errors=True)
+
+
+INT4_FILE = "int4_blocks.safetensors"
+
+
+def int4_blocks(model_dir: str | os.PathLike, progress: bool = True) -> dict | None:
+    """The GGUF's own int4 groups of a converted embedded model, as ``{weight name: Int4Block}``.
+
+    Extracted from the installed GGUF once (on first use of ``runtime=int4``) and kept next to the
+    converted weights in ``int4_blocks.safetensors`` (codes packed two per byte). None when
+    ``model_dir`` is not an embedded conversion (hub and local models are quantized round-to-nearest).
+    """
+    from safetensors.torch import load_file, save_file
+
+    from .gguf_convert import extract_int4_blocks
+    from .runtime import Int4Block
+
+    model_dir = Path(model_dir)
+    stamp = model_dir / "treegraft_conversion.json"
+    if not stamp.is_file():
+        return None
+    path = model_dir / INT4_FILE
+    if not path.is_file():
+        name = json.loads(stamp.read_text()).get("name")
+        if name not in EMBEDDED_MODELS:
+            return None
+        parts = gguf_parts(EMBEDDED_MODELS[name])
+        with tempfile.TemporaryDirectory(dir=model_dir.parent, prefix=f".{name}-int4-") as tmp:
+            gguf_path = parts[0]
+            if len(parts) > 1:
+                gguf_path = Path(tmp) / f"{name}.gguf"
+                _sha256_concat(parts, gguf_path, progress)
+            blocks = extract_int4_blocks(gguf_path)
+        flat = {}
+        for weight, arrays in blocks.items():
+            codes = arrays["codes"]
+            flat[f"{weight}.codes"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+            flat[f"{weight}.scales"] = arrays["scales"]
+            flat[f"{weight}.zeros"] = arrays["zeros"]
+        tmp_path = path.with_name(f".{path.name}.tmp")
+        save_file(flat, str(tmp_path))
+        os.replace(tmp_path, path)
+    flat = load_file(str(path))
+    out = {}
+    for key in flat:
+        if not key.endswith(".codes"):
+            continue
+        weight = key[: -len(".codes")]
+        packed = flat[key]
+        codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(packed.shape[0], -1)
+        out[weight] = Int4Block(codes=codes, scales=flat[f"{weight}.scales"], zeros=flat[f"{weight}.zeros"])
+    return out

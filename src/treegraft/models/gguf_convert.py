@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["read_gguf_metadata", "convert_gguf_to_hf", "CONVERTER_VERSION"]
+__all__ = ["read_gguf_metadata", "convert_gguf_to_hf", "extract_int4_blocks", "CONVERTER_VERSION"]
 
 # Bump when the output of the converter changes, so cached folders are rebuilt.
 CONVERTER_VERSION = 1
@@ -94,6 +94,24 @@ def _build_tokenizer(metadata: dict[str, Any]):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config)
 
 
+def _hf_context(reader):
+    """(metadata, arch, config, processor, gguf->HF tensor name map, meta-device model) of a GGUF file."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    metadata = read_gguf_metadata(reader)
+    tensor_names = {t.name for t in reader.tensors}
+    arch = metadata["general.architecture"]
+    config_dict = _config_dict(metadata, tensor_names)
+    model_type = config_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **config_dict)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    name_map = get_gguf_hf_weights_map(model, processor)
+    return metadata, arch, model_type, config, processor, name_map, model
+
+
 def convert_gguf_to_hf(
     gguf_path: str | os.PathLike, out_dir: str | os.PathLike, progress: bool = True, extra_meta: dict | None = None
 ) -> Path:
@@ -104,8 +122,7 @@ def convert_gguf_to_hf(
     """
     import gguf
     from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+    from transformers import GenerationConfig
 
     out_dir = Path(out_dir)
     tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
@@ -114,20 +131,10 @@ def convert_gguf_to_hf(
 
     started = time.perf_counter()
     reader = gguf.GGUFReader(str(gguf_path))
-    metadata = read_gguf_metadata(reader)
-    tensor_names = {t.name for t in reader.tensors}
-    arch = metadata["general.architecture"]
+    metadata, arch, model_type, config, processor, name_map, model = _hf_context(reader)
 
     tokenizer = _build_tokenizer(metadata)
     tokenizer.save_pretrained(tmp_dir)
-
-    config_dict = _config_dict(metadata, tensor_names)
-    model_type = config_dict.pop("model_type")
-    config = AutoConfig.for_model(model_type, **config_dict)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
-    name_map = get_gguf_hf_weights_map(model, processor)
 
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in tqdm(reader.tensors, desc=f"dequantize {out_dir.name}", disable=not progress, unit="tensor"):
@@ -165,3 +172,67 @@ def convert_gguf_to_hf(
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp_dir.rename(out_dir)
     return out_dir
+
+
+# GGUF 4-bit block types whose weights are exactly int4 groups of 32 with a scale and a zero point
+_INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+
+
+def _int4_groups(data: np.ndarray, qtype_name: str, shape: tuple[int, int]):
+    """codes uint8 [N, K] (0..15), scales and zeros float32 [N, K / 32] with
+    ``w = (codes - 8) * scale + zero`` equal to llama.cpp's dequantization of the blocks."""
+    import gguf
+
+    n, k = shape
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = np.ascontiguousarray(data).reshape(-1, type_size)
+    nb = blocks.shape[0]
+
+    def nibbles(qs: np.ndarray, width: int) -> np.ndarray:  # low nibbles of `width` bytes, then the high ones
+        qs = qs.reshape(nb, -1, 1, width) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        return (qs & np.uint8(0x0F)).reshape(nb, -1)
+
+    if qtype_name == "Q4_0":  # w = d * (q - 8)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        codes, scale, zero = nibbles(blocks[:, 2:], 16), d, np.zeros_like(d)
+    elif qtype_name == "Q4_1":  # w = d * q + m
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        codes, scale, zero = nibbles(blocks[:, 4:], 16), d, m + 8 * d
+    else:  # Q4_K: 256-weight super-blocks of 8 groups; w = d * sc * q - dmin * m
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        sc, mn = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16].copy())
+        a = d * sc.astype(np.float32)
+        b = dmin * mn.astype(np.float32)
+        codes, scale, zero = nibbles(blocks[:, 16:], 32), a, 8 * a - b
+    return (codes.reshape(n, k).astype(np.uint8), scale.reshape(n, k // 32).astype(np.float32),
+            zero.reshape(n, k // 32).astype(np.float32))
+
+
+def extract_int4_blocks(gguf_path: str | os.PathLike) -> dict[str, dict[str, torch.Tensor]]:
+    """The 4-bit tensors of a GGUF file as int4 groups, keyed by HF weight name:
+    ``{name: {"codes": uint8 [N, K], "scales": float32 [N, K/32], "zeros": float32 [N, K/32]}}``.
+
+    Only Q4_0 / Q4_1 / Q4_K tensors are returned (a Q4_K_M file keeps some tensors in Q6_K or Q8_0:
+    those stay dense). Row permutations of the HF mapping (llama's q/k) are applied to every array.
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    *_, processor, name_map, _model = _hf_context(reader)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for tensor in reader.tensors:
+        qname = tensor.tensor_type.name
+        if qname not in _INT4_TYPES or len(tensor.shape) != 2:
+            continue
+        k, n = (int(x) for x in tensor.shape)  # GGUF lists dims innermost first
+        codes, scales, zeros = _int4_groups(tensor.data, qname, (n, k))
+        arrays = {}
+        for key, arr in (("codes", codes), ("scales", scales), ("zeros", zeros)):
+            result = processor.process(weights=arr, name=tensor.name)
+            arrays[key] = torch.from_numpy(np.ascontiguousarray(result.weights))
+        if result.name in name_map:
+            out[name_map[result.name]] = arrays
+    return out

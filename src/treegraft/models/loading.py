@@ -23,8 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..paths import default_models_dir
-from .embedded import EMBEDDED_MODELS, is_converted
+from ..paths import default_cache_dir, default_models_dir
+from .embedded import EMBEDDED_MODELS, int4_blocks, is_converted
+from .runtime import RUNTIMES, apply_runtime, choose_runtime, runtime_load_dtype
 from .tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "ModelLoadError",
     "TokenizerMismatchError",
     "resolve_dtype",
+    "resolve_runtime",
     "resolve_source",
     "load_model",
     "load_tokenizer",
@@ -96,6 +98,7 @@ class LoadedPair:
     target: nn.Module
     middle: nn.Module
     tokenizer: Any
+    runtime: str = "float32"
 
 
 def resolve_source(source: str, models_dir: str | os.PathLike | None = None) -> str:
@@ -129,11 +132,13 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     models_dir: str | os.PathLike | None = None,
+    runtime: str | None = None,
 ) -> nn.Module:
-    """A causal LM in eval mode on ``device`` with ``dtype``."""
+    """A causal LM in eval mode on ``device``: stock in ``dtype``, or switched to ``runtime``
+    (one of :data:`~treegraft.models.runtime.RUNTIMES`; it sets the dtype itself)."""
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = resolve_dtype(dtype)
+    torch_dtype = runtime_load_dtype(runtime) if runtime else resolve_dtype(dtype)
     if source.startswith(TINY_PREFIX):
         model = build_tiny_model(int(source[len(TINY_PREFIX):] or 0)).to(torch_dtype)
     else:
@@ -145,7 +150,40 @@ def load_model(
                 f"cannot load model {source!r}: {str(err).splitlines()[0]} "
                 "(expected an embedded:<name>, a local Hugging Face folder or a hub id reachable from here)"
             ) from err
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if runtime:
+        blocks = _int4_blocks_of(source, models_dir) if runtime == "int4" else None
+        apply_runtime(model, runtime, int4_blocks=blocks)
+    return model
+
+
+def _int4_blocks_of(source: str, models_dir) -> dict | None:
+    """The GGUF's own int4 groups for an embedded model; None for other sources (quantized at load)."""
+    if not source.startswith(EMBEDDED_PREFIX):
+        return None
+    return int4_blocks(resolve_source(source, models_dir))
+
+
+def resolve_runtime(
+    source: str,
+    runtime: str,
+    device: str | torch.device = "cpu",
+    models_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    log=print,
+) -> str:
+    """``runtime`` itself, or for ``auto`` the runtime measured fastest for ``source`` on this machine
+    (:func:`~treegraft.models.runtime.choose_runtime`, cached in ``<cache_dir>/runtime.json``)."""
+    if runtime != "auto":
+        if runtime not in RUNTIMES:
+            raise ValueError(f"unknown runtime {runtime!r}; expected auto or one of {', '.join(RUNTIMES)}")
+        return runtime
+    exact = source.startswith(EMBEDDED_PREFIX)  # only GGUF-born models have int4 blocks of their own
+    cache_file = Path(cache_dir or default_cache_dir()) / "runtime.json"
+    model_id = source if not source.startswith(EMBEDDED_PREFIX) else f"{source} ({resolve_source(source, models_dir)})"
+    choice = choose_runtime(lambda rt: load_model(source, device=device, models_dir=models_dir, runtime=rt),
+                            model_id, device, cache_file=cache_file, log=log, int4_exact=exact)
+    return choice.runtime
 
 
 def make_self_draft(target: nn.Module, num_layers: int) -> nn.Module:
@@ -194,24 +232,39 @@ def check_same_vocabulary(target_tokenizer, middle_tokenizer, target_name: str, 
         )
 
 
+def _output_size(model: nn.Module) -> int:
+    head = model.get_output_embeddings()
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
+
+
 def load_pair(
     spec: PairSpec,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     models_dir: str | os.PathLike | None = None,
+    runtime: str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    log=print,
 ) -> LoadedPair:
-    """Load target, middle drafter and the shared tokenizer, checking the vocabularies match."""
+    """Load target, middle drafter and the shared tokenizer, checking the vocabularies match.
+
+    ``runtime`` (``auto`` or a name of :data:`~treegraft.models.runtime.RUNTIMES`) is applied to both
+    models (``auto`` is measured on the target); None loads stock models in ``dtype``.
+    """
     tokenizer = load_tokenizer(spec.target, models_dir)
-    target = load_model(spec.target, dtype, device, models_dir)
+    if spec.middle is not None:
+        check_same_vocabulary(tokenizer, load_tokenizer(spec.middle, models_dir), spec.target, spec.middle)
+    if runtime is not None:
+        runtime = resolve_runtime(spec.target, runtime, device, models_dir, cache_dir, log)
+    target = load_model(spec.target, dtype, device, models_dir, runtime)
     if spec.self_draft_layers is not None:
         middle = make_self_draft(target, int(spec.self_draft_layers))
     else:
-        check_same_vocabulary(tokenizer, load_tokenizer(spec.middle, models_dir), spec.target, spec.middle)
-        middle = load_model(spec.middle, dtype, device, models_dir)
-    t_vocab = target.get_output_embeddings().weight.shape[0]
-    m_vocab = middle.get_output_embeddings().weight.shape[0]
+        middle = load_model(spec.middle, dtype, device, models_dir, runtime)
+    t_vocab, m_vocab = _output_size(target), _output_size(middle)
     if t_vocab != m_vocab:
         raise TokenizerMismatchError(
             f"tokenizer mismatch: target {spec.target} has {t_vocab} output logits, middle {spec.middle} has {m_vocab}"
         )
-    return LoadedPair(spec=spec, target=target, middle=middle, tokenizer=tokenizer)
+    label = runtime or ("bfloat16" if resolve_dtype(dtype) == torch.bfloat16 else "float32")
+    return LoadedPair(spec=spec, target=target, middle=middle, tokenizer=tokenizer, runtime=label)

@@ -14,13 +14,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 import pandas as pd
-import torch
 from omegaconf import OmegaConf
+
+from ..atomic import atomic_torch_save, atomic_write, atomic_write_json, atomic_write_text
 
 __all__ = [
     "MissingArtifactError",
@@ -57,36 +57,8 @@ def require(path: Path, stage: str, experiment: str) -> Path:
     return Path(path)
 
 
-def _atomic(path: Path, write) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual permissions
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def atomic_write_text(text: str, path: Path) -> None:
-    _atomic(path, lambda tmp: Path(tmp).write_text(text))
-
-
-def atomic_write_json(obj, path: Path) -> None:
-    atomic_write_text(json.dumps(obj, indent=2, default=str) + "\n", path)
-
-
 def atomic_write_parquet(df: pd.DataFrame, path: Path) -> None:
-    _atomic(path, lambda tmp: df.to_parquet(tmp, index=False))
-
-
-def atomic_torch_save(obj, path: Path) -> None:
-    _atomic(path, lambda tmp: torch.save(obj, tmp))
+    atomic_write(path, lambda tmp: df.to_parquet(tmp, index=False))
 
 
 def file_hash(path: Path) -> str:

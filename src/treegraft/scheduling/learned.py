@@ -89,7 +89,7 @@ class MarginPredictor:
         return h[:, 0] * self._ys + self._ym
 
     def save(self, path_stem: Path, extra_meta: dict | None = None) -> None:
-        from ..pipeline.artifacts import atomic_torch_save, atomic_write_json
+        from ..atomic import atomic_torch_save, atomic_write_json
 
         atomic_torch_save(self.model.state_dict(), path_stem.with_suffix(".pt"))
         meta = {"depth": self.depth, "signals": self.signals, "feature_names": self.feature_names,

@@ -134,7 +134,7 @@ class ValueSystem:
         return (np.maximum(al, 0.0) + 1.0) / np.exp(loglat)
 
     def save(self, directory: Path, extra_meta: dict | None = None) -> None:
-        from ..pipeline.artifacts import atomic_torch_save, atomic_write_json
+        from ..atomic import atomic_torch_save, atomic_write_json
 
         atomic_torch_save({k: h.state_dict() for k, h in self.heads.items()}, directory / "value_heads.pt")
         hidden = [m.out_features for m in next(iter(self.heads.values())).net if isinstance(m, nn.Linear)][:-1]

@@ -11,7 +11,34 @@ import torch
 
 from .draft_tree import DraftTree
 
-__all__ = ["prune_to_budget", "TreeInputs", "build_tree_inputs", "additive_tree_mask"]
+__all__ = ["prune_order", "prune_to_budget", "TreeInputs", "build_tree_inputs", "additive_tree_mask"]
+
+
+def _ranked_candidates(tree: DraftTree) -> list[int]:
+    """Alive non-root nodes by ``cum`` (higher first; ties: shallower first, then earlier created)."""
+    candidates = [n for n in range(1, len(tree)) if tree.alive[n]]
+    candidates.sort(key=lambda n: (-tree.cum[n], tree.depth[n], n))
+    return candidates
+
+
+def prune_order(tree: DraftTree) -> list[int]:
+    """Every alive non-root node in the order pruning keeps them under an unbounded budget: each
+    candidate (by ``cum``) brings its not-yet-kept ancestors first. ``order[:B]`` is what a budget of B
+    keeps, except where a chain does not fit at the boundary (:func:`prune_to_budget` then skips it)."""
+    kept: set[int] = set()
+    order: list[int] = []
+    for node in _ranked_candidates(tree):
+        if node in kept:
+            continue
+        chain = []
+        n = node
+        while n > 0 and n not in kept:
+            chain.append(n)
+            n = tree.parent[n]
+        chain.reverse()
+        kept.update(chain)
+        order.extend(chain)
+    return order
 
 
 def prune_to_budget(tree: DraftTree, budget: int) -> list[int]:
@@ -25,10 +52,8 @@ def prune_to_budget(tree: DraftTree, budget: int) -> list[int]:
     """
     if budget < 0:
         raise ValueError(f"budget must be >= 0, got {budget}")
-    candidates = [n for n in range(1, len(tree)) if tree.alive[n]]
-    candidates.sort(key=lambda n: (-tree.cum[n], tree.depth[n], n))
     kept: set[int] = set()
-    for node in candidates:
+    for node in _ranked_candidates(tree):
         if len(kept) >= budget:
             break
         if node in kept:
