@@ -2,15 +2,19 @@
 
 Run:
     python scripts/bench_engine.py pair=qwen-coder-1.5b__0.5b prompts_per_benchmark=3 max_new_tokens=64
-    python scripts/bench_engine.py pair=smollm2-135m__self dtype=bfloat16 methods=[ar,all_small]
+    python scripts/bench_engine.py pair=smollm2-135m__self runtime=float32 'methods=[ar,all_small]'
     python scripts/bench_engine.py pair=tiny-random prompts_per_benchmark=1 max_new_tokens=16 max_prompt_tokens=256
 
-Spec-Bench style: a warm-up generation per method first (not scored), then every prompt with every
-method; greedy; speedup = ar's total time / the method's total time over the same prompts.
-Prints one table (method, tokens/s, speedup vs ar, mean AL, middle ms/call, n-gram ms/call,
-share of turn time outside model forwards, mismatches vs ar), the target's verification-latency
-curve, and the n-gram drafter's cost per call at a long context. Writes
-outputs/bench/<pair>/engine.csv (one row per method and dtype) and verify_curve.csv.
+Spec-Bench style, on a shared machine: every method is built and warmed up first (not scored), then
+the methods run *interleaved prompt by prompt* (ar, m1, m2, ..., then the next prompt), so a slow
+patch of the machine lands on every method alike; greedy; speedup = ar's total time / the method's
+total time over the same prompts, all on one runtime (``runtime=auto`` picks it by measuring).
+Prints the CPU line, one table (tokens/s, speedup, mean AL, B_ver, tree nodes, call rate, middle
+ms/call, prefill vs ar, mismatches vs ar raw / not a near-tie), then, with ``runtimes=true``, the
+verification curve and ar tokens/s of every runtime against the float32 default, the n-gram cost per
+call at a long context and the scheduler-state cost. Writes outputs/bench/<pair>/engine.csv (rows
+keyed by runtime and method), runtimes.csv and the per-prompt outputs under runs/<runtime>/ (a rerun
+with the same settings reuses the prompts already done).
 """
 
 from __future__ import annotations
@@ -32,16 +36,17 @@ from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
 
+from treegraft.atomic import atomic_write, atomic_write_json, read_json
 from treegraft.config import CONF_DIR
 from treegraft.data import BenchmarkConfig, format_prompt, load_benchmark
-from treegraft.decoding.budget import measure_verify_curve
+from treegraft.decoding import AutoregressiveDecoder, GenerationResult, TreeGraftDecoder
 from treegraft.decoding.equality import compare_outputs
-from treegraft.decoding.factory import build_decoder
-from treegraft.decoding import GenerationResult, TreeGraftDecoder
-from treegraft.decoding.factory import tree_config_from
+from treegraft.decoding.factory import build_decoder, tree_config_from
 from treegraft.drafters import NGramConfig, NGramDrafter
-from treegraft.scheduling import FixedScheduler
+from treegraft.machine import cpu_info, cpu_line
 from treegraft.models import load_model, load_pair
+from treegraft.models.runtime import RUNTIMES, effective_runtime, forward_curve, runtime_unavailable
+from treegraft.scheduling import FixedScheduler
 
 
 def load_prompts(cfg: DictConfig, tokenizer) -> list[tuple[str, int, list[int]]]:
@@ -75,23 +80,9 @@ def ngram_cost_ms(tokens: list[int], top_m: int, calls: int = 2000, seed: int = 
     return (time.perf_counter() - t0) / calls * 1000
 
 
-def save_run(path: Path, key: dict, results: list) -> None:
-    """One method's outputs and times, so a later invocation can reuse them (e.g. ar as the reference)."""
-    data = {"key": key, "results": [{"tokens": r.tokens, "prompt_tokens": r.prompt_tokens, "wall_time_s": r.wall_time_s,
-                                     "prefill_time_s": r.prefill_time_s, "stop_reason": r.stop_reason,
-                                     "turns": r.turns} for r in results]}
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data))
-    tmp.replace(path)
-
-
-def load_run(path: Path, key: dict) -> list | None:
-    if not path.exists():
-        return None
-    data = json.loads(path.read_text())
-    if data["key"] != key:
-        return None
-    return [GenerationResult(**r) for r in data["results"]]
+def result_to_json(r: GenerationResult) -> dict:
+    return {"tokens": r.tokens, "prompt_tokens": r.prompt_tokens, "wall_time_s": r.wall_time_s,
+            "prefill_time_s": r.prefill_time_s, "stop_reason": r.stop_reason, "turns": r.turns}
 
 
 class SignalTimer(FixedScheduler):
@@ -100,135 +91,188 @@ class SignalTimer(FixedScheduler):
     needs_signals = True
 
 
-def signals_cost_ms(pair, tree: dict, prompts, max_new_tokens: int) -> float:
+def signals_cost_ms(pair, tree: dict, prompts, max_new_tokens: int, cache_dir) -> float:
     """Mean ms per step to compute the scheduler state with all tree signals, on real trees."""
     cfg = tree_config_from("fixed", tree)
-    dec = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, cfg, scheduler=SignalTimer(cfg.actions()))
+    dec = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, cfg, scheduler=SignalTimer(cfg.actions()),
+                           cache_dir=cache_dir)
     turns = [t for _, _, ids in prompts for t in dec.generate(ids, max_new_tokens).turns]
     steps = sum(len(t["schedule"]) for t in turns)
     return 1000 * sum(t.get("schedule_s", 0.0) for t in turns) / max(steps, 1)
 
 
-def summarize(method: str, results: list, ar_time: float | None, reports: list, decoder=None) -> dict:
+def summarize(method: str, results: list, ar_results: list | None, reports: list, prompts) -> dict:
     new_tokens = sum(r.new_tokens for r in results)
     wall = sum(r.wall_time_s for r in results)
     turns = [t for r in results for t in r.turns]
+
     def per_call(key_s, key_n):
         n = sum(t.get(key_n, 0) for t in turns)
         return 1000 * sum(t.get(key_s, 0.0) for t in turns) / n if n else float("nan")
+
+    def mean(key):
+        return statistics.mean(t[key] for t in turns) if turns else float("nan")
+
     turn_s = sum(t["turn_s"] for t in turns)
     steps = sum(len(t.get("schedule", ())) for t in turns)
-    budget = decoder.budget() if isinstance(decoder, TreeGraftDecoder) else None
-    return {
+    row = {
         "method": method,
         "prompts": len(results),
         "new_tokens": new_tokens,
         "wall_s": round(wall, 2),
         "tokens_per_s": new_tokens / wall if wall else float("nan"),
-        "speedup": (ar_time / wall) if ar_time else float("nan"),
-        "mean_al": statistics.mean(t["accepted"] for t in turns) if turns else float("nan"),
-        "budget": budget,
+        "speedup": float("nan"),
+        "mean_al": mean("accepted"),
+        "mean_budget": mean("budget") if turns and "budget" in turns[0] else float("nan"),
+        "mean_tree_nodes": mean("tree_nodes"),
         # middle-drafter forwards per drafting step (steps left out as beyond the budget count as skips)
         "call_rate": sum(t["middle_calls"] for t in turns) / steps if steps else float("nan"),
-        "mean_tree_nodes": statistics.mean(t["tree_nodes"] for t in turns) if turns else float("nan"),
         "middle_ms_per_call": per_call("middle_s", "middle_calls"),
-        # n-gram lookups only; small_s also holds the per-turn update of the target top-m score cache
         "ngram_ms_per_call": per_call("small_propose_s", "small_calls"),
         "outside_share": sum(t["outside_forward_s"] for t in turns) / turn_s if turn_s else float("nan"),
+        "prefill_s": sum(r.prefill_time_s for r in results),
+        "prefill_x_ar": float("nan"),
+        "prefill_x_ar_cnndm": float("nan"),
         "mismatches": sum(not rep.equal for rep in reports),
         "mismatches_unexplained": sum(not rep.equal and not rep.explained_by_tie for rep in reports),
     }
+    if ar_results is not None:
+        ar_wall = sum(r.wall_time_s for r in ar_results)
+        row["speedup"] = ar_wall / wall if wall else float("nan")
+        ar_prefill = sum(r.prefill_time_s for r in ar_results)
+        if results and results[0].prefill_time_s == results[0].prefill_time_s:  # HF peers: NaN (not measured)
+            row["prefill_x_ar"] = row["prefill_s"] / ar_prefill
+            cnn = [i for i, (b, _, _) in enumerate(prompts) if b == "cnndm"]
+            if cnn:
+                row["prefill_x_ar_cnndm"] = sum(results[i].prefill_time_s for i in cnn) / sum(
+                    ar_results[i].prefill_time_s for i in cnn)
+    return row
 
 
-def write_csv(csv: Path, df: pd.DataFrame, dtype: str) -> None:
-    """Atomically write the rows, replacing earlier rows of the same dtype and method."""
+def write_csv(csv: Path, df: pd.DataFrame, keys: list[str]) -> None:
+    """Atomically write the rows, replacing earlier rows with the same values in ``keys``."""
     if csv.exists():
         old = pd.read_csv(csv)
-        old = old[~((old["dtype"] == dtype) & old["method"].isin(df["method"]))]
-        df = pd.concat([old, df], ignore_index=True)
-    tmp = csv.with_suffix(".csv.tmp")
-    df.to_csv(tmp, index=False)
-    tmp.replace(csv)
+        if set(keys) <= set(old.columns):
+            merged = old.merge(df[keys].drop_duplicates(), on=keys, how="left", indicator=True)
+            old = old[(merged["_merge"] == "left_only").to_numpy()]
+            df = pd.concat([old, df], ignore_index=True)
+    atomic_write(csv, lambda tmp: df.to_csv(tmp, index=False))
+
+
+def runtime_table(cfg: DictConfig, prompts, console: Console, out_dir: Path) -> None:
+    """Every available runtime of the target alone: its verification curve and ar tokens/s on the first
+    prompts, against the float32 default (one model loaded at a time)."""
+    rows = []
+    sizes = list(cfg.curve_sizes)
+    some = prompts[: int(cfg.runtime_prompts)]
+    for runtime in RUNTIMES:
+        why = runtime_unavailable(runtime, cfg.device)
+        if why:
+            console.print(f"runtime {runtime}: skipped ({why})")
+            continue
+        model = load_model(cfg.pair.target, device=cfg.device, models_dir=cfg.paths.models_dir, runtime=runtime)
+        curve = forward_curve(model, sizes=sizes, context=int(cfg.curve_context))
+        dec = AutoregressiveDecoder(model)
+        dec.generate(some[0][2], 4)  # warm-up
+        res = [dec.generate(ids, int(cfg.runtime_tokens)) for _, _, ids in some]
+        tok = sum(r.new_tokens for r in res) / sum(r.wall_time_s - r.prefill_time_s for r in res)
+        rows.append({"runtime": runtime, **{f"t{n}_ms": 1000 * curve[n] for n in sizes},
+                     **{f"x{n}": curve[n] / curve[1] for n in sizes if n > 1}, "ar_decode_tokens_per_s": tok,
+                     "cpu": cpu_line()})
+        del model, dec
+    df = pd.DataFrame(rows)
+    if "float32" in set(df.get("runtime", [])):
+        base = float(df.loc[df["runtime"] == "float32", "ar_decode_tokens_per_s"].iloc[0])
+        df["ar_x_float32"] = df["ar_decode_tokens_per_s"] / base
+    table = Table(title=f"runtimes of {cfg.pair.target} (verification at a {cfg.curve_context}-token context; "
+                        f"ar decoding after prefill, {len(some)} prompts x {cfg.runtime_tokens} tokens)")
+    cols = ["runtime", *[f"t{n}_ms" for n in sizes], "x8", "x16", "ar_decode_tokens_per_s", "ar_x_float32"]
+    cols = [c for c in cols if c in df.columns]
+    for c in cols:
+        table.add_column(c)
+    for _, r in df.iterrows():
+        table.add_row(*[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
+    console.print(table)
+    write_csv(out_dir / "runtimes.csv", df, ["runtime", "cpu"])
 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench_engine")
 def main(cfg: DictConfig) -> None:
-    console = Console(width=160)
+    console = Console(width=200)
     torch.manual_seed(0)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    pair = load_pair(instantiate(cfg.pair), dtype=cfg.dtype, device=cfg.device, models_dir=cfg.paths.models_dir)
+    console.print(f"CPU: {cpu_line()}")
+    runtime = effective_runtime(cfg.runtime, cfg.dtype)
+    pair = load_pair(instantiate(cfg.pair), device=cfg.device, models_dir=cfg.paths.models_dir, runtime=runtime,
+                     cache_dir=cfg.paths.cache_dir, log=console.print)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     prompts = load_prompts(cfg, pair.tokenizer)
-    console.print(f"{len(prompts)} prompts, {cfg.max_new_tokens} new tokens, dtype {cfg.dtype}, pair {cfg.pair.name}")
+    methods = ["ar"] + [m for m in cfg.methods if m != "ar"]
+    console.print(f"{len(prompts)} prompts x {cfg.max_new_tokens} new tokens, runtime {pair.runtime}, "
+                  f"pair {cfg.pair.name}, methods interleaved prompt by prompt: {', '.join(methods)}")
 
-    target_fp32 = pair.target if cfg.dtype == "float32" else None
-    outputs: dict[str, list] = {}
-    rows = []
-    runs_dir = out_dir / f"runs_{cfg.dtype}"
-    runs_dir.mkdir(exist_ok=True)
+    decoders = {m: build_decoder(m, pair, tree, cache_dir=cfg.paths.cache_dir) for m in methods}
+    for method, dec in decoders.items():  # every warm-up (and budget=auto's curve) before any timing
+        dec.generate(prompts[0][2], 8)
     prompt_hash = hashlib.sha256(json.dumps([ids for _, _, ids in prompts]).encode()).hexdigest()[:16]
-    methods = list(cfg.methods)
-    if "ar" not in methods:
-        ar_prev = load_run(runs_dir / "ar.json", {"prompts": prompt_hash, "max_new_tokens": cfg.max_new_tokens,
-                                                  "tree": None})
-        if ar_prev is not None:  # the reference from an earlier invocation on the same prompts
-            outputs["ar"] = ar_prev
-            console.print("ar: reusing the saved reference run")
-    for method in methods:
-        decoder = build_decoder(method, pair, tree)
-        key = {"prompts": prompt_hash, "max_new_tokens": cfg.max_new_tokens,
-               "tree": tree if isinstance(decoder, TreeGraftDecoder) else None}
-        results = load_run(runs_dir / f"{method}.json", key) if cfg.resume else None
-        if results is None:
-            decoder.generate(prompts[0][2], 8)  # warm-up, not scored
-            results = [decoder.generate(ids, cfg.max_new_tokens)
-                       for _, _, ids in tqdm(prompts, desc=method, file=sys.stderr)]
-            save_run(runs_dir / f"{method}.json", key, results)
-        else:
-            console.print(f"{method}: reusing the saved run")
-        outputs[method] = results
+    runs_dir = out_dir / "runs" / pair.runtime
+    key = {"prompts": prompt_hash, "max_new_tokens": cfg.max_new_tokens, "tree": tree, "cpu": cpu_line()}
+    saved = {m: read_json(runs_dir / f"{m}.json", {}) for m in methods} if cfg.resume else {}
+    results: dict[str, list] = {m: [] for m in methods}
+    for m in methods:
+        if saved.get(m, {}).get("key") == key:
+            results[m] = [GenerationResult(**r) for r in saved[m]["results"]]
+    start = min(len(r) for r in results.values())
+    for m in methods:
+        results[m] = results[m][:start]
+    if start:
+        console.print(f"resuming after {start} prompt(s) saved with the same settings")
+    for _, _, ids in tqdm(prompts[start:], desc="prompts (every method)", file=sys.stderr):
+        for m in methods:
+            results[m].append(decoders[m].generate(ids, cfg.max_new_tokens))
+            atomic_write_json({"key": key, "results": [result_to_json(r) for r in results[m]]}, runs_dir / f"{m}.json")
+
+    target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
+    rows = []
+    for m in methods:
         reports = []
-        if method != "ar" and "ar" in outputs:
-            if target_fp32 is None and any(r.tokens != a.tokens for r, a in zip(results, outputs["ar"])):
+        if m != "ar":
+            if target_fp32 is None and any(r.tokens != a.tokens for r, a in zip(results[m], results["ar"])):
                 target_fp32 = load_model(cfg.pair.target, "float32", cfg.device, cfg.paths.models_dir)
             reports = [compare_outputs(a.tokens, r.tokens, ids, target_fp32, cfg.tie_tolerance)
-                       for (_, _, ids), r, a in zip(prompts, results, outputs["ar"])]
-        ar_time = sum(r.wall_time_s for r in outputs["ar"]) if "ar" in outputs else None
-        rows.append({"dtype": cfg.dtype, **summarize(method, results, ar_time, reports, decoder)})
-        console.print(rows[-1])
-        write_csv(out_dir / "engine.csv", pd.DataFrame(rows), cfg.dtype)
-
+                       for (_, _, ids), r, a in zip(prompts, results[m], results["ar"])]
+        rows.append({"runtime": pair.runtime, **summarize(m, results[m], results["ar"], reports, prompts),
+                     **cpu_info()})
     df = pd.DataFrame(rows)
-    table = Table(title=f"engine on {cfg.pair.name} ({cfg.dtype}, {len(prompts)} prompts x {cfg.max_new_tokens} tokens)")
-    cols = ["method", "tokens_per_s", "speedup", "mean_al", "call_rate", "budget", "middle_ms_per_call",
-            "ngram_ms_per_call", "outside_share", "mismatches", "mismatches_unexplained"]
+    write_csv(out_dir / "engine.csv", df, ["runtime", "method", "cpu"])
+    table = Table(title=f"engine on {cfg.pair.name} (runtime {pair.runtime}, {len(prompts)} prompts x "
+                        f"{cfg.max_new_tokens} tokens, interleaved) on {cpu_line()}")
+    cols = ["method", "tokens_per_s", "speedup", "mean_al", "mean_budget", "mean_tree_nodes", "call_rate",
+            "middle_ms_per_call", "ngram_ms_per_call", "outside_share", "prefill_x_ar", "prefill_x_ar_cnndm",
+            "mismatches", "mismatches_unexplained"]
     for c in cols:
         table.add_column(c)
     for _, r in df.iterrows():
         table.add_row(*[f"{r[c]:.3f}" if isinstance(r[c], float) else str(r[c]) for c in cols])
     console.print(table)
+    per_bench = pd.DataFrame([{"method": m, "benchmark": b,
+                               "speedup": sum(a.wall_time_s for a, (bb, _, _) in zip(results["ar"], prompts) if bb == b)
+                               / sum(r.wall_time_s for r, (bb, _, _) in zip(results[m], prompts) if bb == b)}
+                              for m in methods for b in cfg.benchmarks]).pivot(index="method", columns="benchmark",
+                                                                               values="speedup")
+    console.print(per_bench[list(cfg.benchmarks)].round(2).to_string())
 
-    if cfg.curve:
-        curve = measure_verify_curve(pair.target, context=cfg.curve_context, sizes=list(cfg.curve_sizes),
-                                     max_size=max(cfg.curve_sizes))
-        base = curve[min(curve)]
-        ct = Table(title=f"verification latency at a {cfg.curve_context}-token context ({cfg.dtype})")
-        for c in ("tree size", "ms", "x one-token forward"):
-            ct.add_column(c)
-        for n, s in curve.items():
-            ct.add_row(str(n), f"{1000 * s:.1f}", f"{s / base:.2f}")
-        console.print(ct)
-        pd.DataFrame({"tree_size": list(curve), "seconds": list(curve.values()), "dtype": cfg.dtype}).to_csv(
-            out_dir / f"verify_curve_{cfg.dtype}.csv", index=False)
-
+    if cfg.runtimes:
+        runtime_table(cfg, prompts, console, out_dir)
     long_ctx = [t for _, _, ids in prompts for t in ids]
     while len(long_ctx) < cfg.ngram_context:
         long_ctx = long_ctx + long_ctx
     cost = ngram_cost_ms(long_ctx[: cfg.ngram_context], tree["ngram"]["top_m"])
     console.print(f"n-gram drafter: {cost:.3f} ms per call at a {cfg.ngram_context}-token context")
-    if pair.middle is not None and "fixed" in cfg.methods:
-        ms = signals_cost_ms(pair, tree, prompts[:2], min(cfg.max_new_tokens, 16))
+    if pair.middle is not None and "fixed" in methods:
+        ms = signals_cost_ms(pair, tree, prompts[:2], min(cfg.max_new_tokens, 16), cfg.paths.cache_dir)
         console.print(f"scheduler state with all tree signals: {ms:.3f} ms per step (fixed schedule, real trees)")
 
 

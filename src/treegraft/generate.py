@@ -68,7 +68,8 @@ def run(cfg: DictConfig) -> int:
 
     method = cfg.method.name
     scheduler = load_learned_scheduler(method, cfg.method.artifacts) if method in LEARNED_METHODS else None
-    decoder = build_decoder(method, pair, OmegaConf.to_container(cfg.tree, resolve=True), sampling, scheduler)
+    decoder = build_decoder(method, pair, OmegaConf.to_container(cfg.tree, resolve=True), sampling, scheduler,
+                            cfg.paths.cache_dir)
     if scheduler is not None:  # the learned policy's runtime context (ms per target / middle forward)
         decoder.warm_up(prompt_ids, 4)
     result = decoder.generate(prompt_ids, cfg.max_new_tokens)

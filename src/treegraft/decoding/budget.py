@@ -16,7 +16,8 @@ of EAGLE-2's confidence-ranked trees):
 * ``E[AL(B)] = sum_{k <= B} p_k``, where ``p_k`` is the probability that the k-th node in pruning
   order (:func:`~treegraft.tree.prune_order`) is accepted: AL counts exactly the kept nodes on the
   target's path, so the expected AL of the top-B nodes is the sum of their acceptance rates.
-  ``p_k`` is learned per decoder (per method) from every turn: verified nodes give their outcome;
+  ``p_k`` is learned per decoder (per method) from every turn: verified nodes give their outcome, a
+  rank the tree did not reach counts as a miss;
   under greedy decoding an unverified node is known too when its depth is within the emitted tokens
   (accepted + bonus), and one extending the emitted path counts with the observed continuation
   rate. A prior ``1 / (k + 1)`` with a small weight starts the estimate.
@@ -113,8 +114,11 @@ class AcceptanceModel:
                 self.cont_hits += node in accepted_set
         cont = self.continuation_rate
         known = len(emitted)
-        for rank, node in enumerate(order[: self.max_rank], start=1):
-            if node in kept:
+        for rank in range(1, self.max_rank + 1):
+            node = order[rank - 1] if rank <= len(order) else None
+            if node is None:  # the tree had fewer nodes: nothing at this rank could be accepted
+                hit = 0.0
+            elif node in kept:
                 hit = float(node in accepted_set)
             elif not greedy:
                 continue  # a sampled acceptance is not determined by the emitted tokens

@@ -48,11 +48,12 @@ def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: fl
 
 
 def build_decoder(method: str, pair: LoadedPair, tree: dict | None = None, sampling: SamplingConfig | None = None,
-                  scheduler=None):
+                  scheduler=None, cache_dir: str | Path | None = None):
     """A decoder with ``.generate(prompt_ids, max_new_tokens) -> GenerationResult`` for ``method``.
 
     ``treegraft`` / ``direct_planner`` need ``scheduler`` (see :func:`load_learned_scheduler`); they
-    run the shared tree with that policy deciding every step.
+    run the shared tree with that policy deciding every step. ``cache_dir``: where ``budget=auto``
+    caches the verification curve (default: :func:`treegraft.paths.default_cache_dir`).
     """
     sampling = sampling or SamplingConfig()
     eos = eos_token_ids(pair.target, pair.tokenizer)
@@ -62,9 +63,10 @@ def build_decoder(method: str, pair: LoadedPair, tree: dict | None = None, sampl
         if scheduler is None:
             raise ValueError(f"method {method} needs its learned scheduler (load_learned_scheduler)")
         return TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree), sampling, eos,
-                                scheduler=scheduler)
+                                scheduler=scheduler, cache_dir=cache_dir)
     if method in METHOD_PRESETS:
-        return TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from(method, tree), sampling, eos)
+        return TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from(method, tree), sampling, eos,
+                                cache_dir=cache_dir)
     if method == "hf_assisted":
         return HFAssistedDecoder(pair.target, pair.middle, eos, sampling)
     if method == "hf_prompt_lookup":

@@ -193,7 +193,12 @@ class TreeGraftDecoder:
         eos_ids: set[int] | None = None,
         scheduler: Scheduler | None = None,
         cache_dir: str | Path | None = None,
+        eager_middle_prefill: bool = False,
     ):
+        """``eager_middle_prefill``: encode the prompt into the middle drafter's cache at prefill
+        (schedule enumeration wants every call's cost to be a call's own); by default the drafter
+        catches up on the prompt at its first call, so a method or policy that does not call never pays
+        for it and the time to the first turn is the target's prefill alone."""
         self.target = target
         self.tokenizer = tokenizer
         self.cfg = cfg or TreeConfig()
@@ -210,9 +215,7 @@ class TreeGraftDecoder:
         if middle is not None and may_call and self.cfg.draft_vocab:
             draft_vocab = self._frequent(int(self.cfg.draft_vocab), head_weight(middle).shape[0])
         self.middle = MiddleDrafter(middle, draft_vocab) if middle is not None and may_call else None
-        # a fixed schedule that calls pays the middle drafter's prefill up front; a learned policy, which
-        # may never call, pays it at its first call (the drafter's cache catches up on pending tokens)
-        self._eager_middle_prefill = scheduler is None
+        self._eager_middle_prefill = eager_middle_prefill
         self.ngram = NGramDrafter(self.cfg.ngram)
         self._budget: int | None = None if self.cfg.budget == "auto" else int(self.cfg.budget)
         self.planner: BudgetPlanner | None = None

@@ -226,7 +226,8 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console) -> None:
     p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     pair = load_pair(pair_spec(pair_name), dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
-    decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree))
+    decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree),
+                               cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True)
     budget = decoder.budget()
     prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(pp.prompts_per_benchmark), int(p.prompt_offset))
                for b in p.fit_benchmarks}

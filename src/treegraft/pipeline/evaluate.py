@@ -180,7 +180,7 @@ def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
         warm_ids = next(iter(prompts.values()))[0][1]
         decoders = {}
         for method in todo:  # every warm-up before any timing
-            dec = build_decoder(method, pair, tree, sampling, schedulers.get(method))
+            dec = build_decoder(method, pair, tree, sampling, schedulers.get(method), cfg.paths.cache_dir)
             if isinstance(dec, TreeGraftDecoder) and dec.middle is not None:
                 dec.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context + warm-up, not scored
             else:

@@ -1,0 +1,202 @@
+"""CPU-shaped costs stay lossless: every method in every runtime and tree shape equals `ar` of the same
+runtime; the budget planner, the shape rule, pruning order and restricted draft vocabularies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treegraft.decoding import AutoregressiveDecoder, SamplingConfig, TreeConfig, TreeGraftDecoder
+from treegraft.decoding.budget import AcceptanceModel, BudgetPlanner
+from treegraft.decoding.factory import build_decoder
+from treegraft.decoding.tree_decoder import METHOD_PRESETS, auto_shape
+from treegraft.drafters.middle import TokenLogProbs
+from treegraft.drafters.vocab import SubsetHead, VocabSubset, frequent_tokens
+from treegraft.models import PairSpec, build_tiny_tokenizer, load_pair
+from treegraft.tree import SMALL, DraftTree, prune_order, prune_to_budget
+
+PROMPTS = ["hello world", "abab abab abab ab", "def f(x):\n    return x + 1\n\ndef g(x):\n    return"]
+TREE = {"budget": "auto", "shape": "auto", "draft_vocab": 64, "ngram": {"prefill_vocab": 32}}
+
+
+@pytest.fixture(scope="module", params=["float32_packed", "int4"])
+def tiny_runtime_pair(request):
+    return load_pair(PairSpec(name="tiny-random", target="tiny-random:0", middle="tiny-random:1"),
+                     runtime=request.param)
+
+
+def test_every_method_equals_ar_of_the_same_runtime_on_the_tiny_pair(tiny_runtime_pair, tmp_path):
+    pair = tiny_runtime_pair
+    tok = pair.tokenizer
+    for text in PROMPTS:
+        ids = tok(text).input_ids
+        ref = build_decoder("ar", pair).generate(ids, 40).tokens
+        for method in METHOD_PRESETS:
+            dec = build_decoder(method, pair, TREE, cache_dir=tmp_path)
+            result = dec.generate(ids, 40)
+            assert result.tokens == ref, (pair.runtime, method, text)
+            assert all(t["verified_nodes"] <= t["budget"] <= 63 for t in result.turns)
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("runtime", ["float32_packed", "int4"])
+def test_every_method_equals_ar_of_the_same_runtime_on_smollm2(runtime, tmp_path):
+    from omegaconf import OmegaConf
+    from hydra.utils import instantiate
+
+    from treegraft.config import CONF_DIR
+    from treegraft.data import BenchmarkConfig, format_prompt, load_benchmark
+
+    from .conftest import require_embedded
+
+    require_embedded("smollm2-135m")
+    pair = load_pair(instantiate(OmegaConf.load(CONF_DIR / "pair" / "smollm2-135m__self.yaml")), runtime=runtime)
+    tok = pair.tokenizer
+    tree = {**TREE, "draft_vocab": 4096, "ngram": {"prefill_vocab": 2048}}
+    for bench in ("humaneval", "gsm8k"):
+        record = load_benchmark(BenchmarkConfig(name=bench, num_prompts=1))[0]
+        ids = tok(format_prompt(tok, record["turns"][0]), add_special_tokens=False).input_ids[:200]
+        ref = build_decoder("ar", pair).generate(ids, 20).tokens
+        for method in METHOD_PRESETS:
+            out = build_decoder(method, pair, tree, cache_dir=tmp_path).generate(ids, 20).tokens
+            assert out == ref, (runtime, method, bench)
+
+
+def test_restricted_vocab_and_shapes_stay_lossless_under_sampling_rules(tiny_pair, tmp_path):
+    """Sampling: the same seed, a restricted draft vocabulary and shape=auto only change the drafts;
+    every emitted token stays inside the target's support (the distribution test lives in test_tree_decoder)."""
+    tok = tiny_pair.tokenizer
+    ids = tok("abab abab").input_ids
+    cfg = TreeConfig(method="all_mid", budget=12, shape="auto", draft_vocab=40)
+    out = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, cfg, SamplingConfig(temperature=0.8, seed=1),
+                           eos_ids=set(), cache_dir=tmp_path).generate(ids, 20)
+    assert len(out.tokens) == 20
+
+
+def test_all_small_has_no_middle_drafter_and_the_middle_prefill_is_lazy(tiny_pair, tmp_path):
+    tok = tiny_pair.tokenizer
+    ids = tok("hello world hello").input_ids
+    small = build_decoder("all_small", tiny_pair, {"budget": 4}, cache_dir=tmp_path)
+    assert small.middle is None
+    mid = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig(method="fixed", schedule=[0, 0, 0, 0, 0],
+                                                                            budget=4), eos_ids=set())
+    mid.generate(ids, 3)
+    assert mid.middle.calls == 0 and mid.middle.pending  # never called: the prompt was never encoded
+    eager = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig(method="fixed", schedule=[0] * 5,
+                                                                              budget=4), eos_ids=set(),
+                             eager_middle_prefill=True)
+    eager.generate(ids, 3)
+    assert eager.middle.committed >= len(ids) - 1
+
+
+def test_auto_shape_rule():
+    assert auto_shape(0) == (2, 2, 2)
+    assert auto_shape(1) == (2, 2, 4)
+    assert auto_shape(8) == (4, 4, 20)
+    assert auto_shape(31) == (7, 7, 69)
+    assert auto_shape(63) == (9, 9, 135)
+    assert auto_shape(63, max_width=4, max_top_m=6) == (4, 6, 135)
+    widths = [auto_shape(b)[0] for b in range(64)]
+    assert widths == sorted(widths)  # grows with B_ver, never with W * m * D
+
+
+def test_shape_auto_builds_trees_that_grow_with_the_budget(tiny_pair, tmp_path):
+    tok = tiny_pair.tokenizer
+    ids = tok("abab abab abab ab").input_ids
+    sizes = {}
+    for budget in (2, 30):
+        cfg = TreeConfig(method="all_call", budget=budget, shape="auto")
+        res = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, cfg, eos_ids=set()).generate(ids, 12)
+        sizes[budget] = max(t["tree_nodes"] for t in res.turns)
+    paper = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig(method="all_call", budget=30),
+                             eos_ids=set()).generate(ids, 12)
+    assert sizes[2] < sizes[30] <= max(t["tree_nodes"] for t in paper.turns)
+
+
+def _chain_tree() -> DraftTree:
+    """root -> a(-0.1) -> b(-0.2) -> c(-0.3); root -> x(-1.0); a -> y(-2.0)."""
+    tree = DraftTree.with_root(0)
+    a = tree.add_child(0, 1, -0.1, SMALL, 1)
+    x = tree.add_child(0, 2, -1.0, SMALL, 1)
+    b = tree.add_child(a, 3, -0.2, SMALL, 2)
+    tree.add_child(a, 4, -2.0, SMALL, 2)
+    tree.add_child(b, 5, -0.3, SMALL, 3)
+    assert x == 2
+    return tree
+
+
+def test_prune_order_is_what_each_budget_keeps():
+    tree = _chain_tree()
+    order = prune_order(tree)
+    assert order == [1, 3, 5, 2, 4]  # a, b, c (cum -0.1, -0.3, -0.6), then x (-1.0), then y (-2.1)
+    for budget in range(len(order) + 1):
+        assert prune_to_budget(tree, budget) == sorted(order[:budget])
+
+
+def test_acceptance_model_learns_from_verified_and_known_nodes():
+    tree = _chain_tree()
+    model = AcceptanceModel(max_rank=8, prior_weight=0.0)
+    # target path: a, b, then bonus token 9 (c rejected); only a, b verified (budget 2)
+    model.update(tree, prune_order(tree), kept={1, 3}, accepted=[1, 3], emitted=[1, 3, 9], greedy=True)
+    assert model.hits[1:6] == [1.0, 1.0, 0.0, 0.0, 0.0]  # c: known miss (its depth is within the emitted)
+    assert model.seen[1:9] == [1.0] * 8  # ranks the tree did not reach count as misses
+    # a node extending the emitted path beyond the bonus counts with the continuation rate
+    model.update(tree, prune_order(tree), kept={1}, accepted=[1], emitted=[1, 3], greedy=True)
+    assert 0 < model.hits[3] - 0.0 < 1  # c = (1, 3, 5) extends (1, 3): unknown, fractional
+    sampled = AcceptanceModel(max_rank=8, prior_weight=0.0)
+    sampled.update(tree, prune_order(tree), kept={1}, accepted=[1], emitted=[1, 7], greedy=False)
+    assert sampled.seen[2] == 0.0  # unverified nodes teach nothing under sampling
+
+
+def test_budget_planner_follows_curve_and_acceptance():
+    flat = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.01, 16: 1.02, 32: 1.05, 64: 1.1}
+    steep = {n: float(n) for n in (1, 2, 4, 8, 16, 32, 64)}  # every verified row costs a whole step
+    good = AcceptanceModel(max_rank=63, prior_weight=0.0)
+    good.hits = [0.0] + [0.9 ** k for k in range(1, 64)]
+    good.seen = [1.0] * 64
+    assert BudgetPlanner(flat, 63, good, draft_s=0.1).choose() >= 30  # verification is nearly free: verify a lot
+    assert BudgetPlanner(steep, 63, good, draft_s=0.1).choose() == 0  # no draft can pay for its row
+    bad = AcceptanceModel(max_rank=63, prior_weight=0.0)
+    bad.seen = [1.0] * 64
+    assert BudgetPlanner(flat, 63, bad, draft_s=0.1).choose() == 0  # drafts never accepted: plain decoding
+    planner = BudgetPlanner(steep, 63, bad)
+    planner.observe(1, verify_s=4.0, other_s=0.5)  # verification twice as slow as the curve says
+    assert planner.verify_scale > 1.0 and planner.draft_s == 0.5
+
+
+def test_budget_auto_plans_every_turn(tiny_pair, tmp_path):
+    tok = tiny_pair.tokenizer
+    ids = tok("abab abab abab ab").input_ids
+    dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.target, tok, TreeConfig(method="all_mid", budget="auto"),
+                           eos_ids=set(), cache_dir=tmp_path)
+    res = dec.generate(ids, 40)
+    assert (tmp_path / "verify_curves.json").is_file()
+    assert all(0 <= t["budget"] <= 63 for t in res.turns)
+    # the same model as middle drafter: chains are accepted whole, and the planner learns it
+    assert dec.planner.acceptance.p(1) > 0.5
+    assert res.tokens == AutoregressiveDecoder(tiny_pair.target, set()).generate(ids, 40).tokens
+
+
+def test_vocab_subset_and_head_equal_a_restricted_softmax():
+    torch.manual_seed(0)
+    weight = torch.randn(50, 8)
+    subset = VocabSubset(torch.tensor([5, 1, 7]), 50)
+    head = SubsetHead(weight, subset)
+    head.add([7, 30, 1, 31])  # only 30 and 31 are new
+    assert subset.ids.tolist() == [5, 1, 7, 30, 31] and int(subset.pos_of[30]) == 3 and int(subset.pos_of[2]) == -1
+    h = torch.randn(2, 8)
+    full = h @ weight.T
+    torch.testing.assert_close(head.log_softmax(h), torch.log_softmax(full[:, subset.ids], -1))
+    lp = TokenLogProbs(head.log_softmax(h)[0], subset.ids, subset.pos_of)
+    values, tokens = lp.topk(2)
+    assert tokens[0] == lp.argmax() and values[0] == pytest.approx(lp.score(tokens[0]))
+    assert lp.score(2) == pytest.approx(float(head.log_softmax(h)[0].min()))  # outside the subset: the floor
+
+
+def test_frequent_tokens_are_deterministic_and_cached(tmp_path):
+    tok = build_tiny_tokenizer()
+    first = frequent_tokens(tok, 40, 259, tmp_path)
+    assert len(first) == 40 and len(set(first.tolist())) == 40
+    assert list(tmp_path.glob("draft_vocab_*.pt"))
+    assert torch.equal(frequent_tokens(tok, 40, 259, tmp_path), first)
+    assert int(tok(" ").input_ids[-1]) in first.tolist()  # the space byte is among the most frequent

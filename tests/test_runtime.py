@@ -1,0 +1,239 @@
+"""Runtimes (module swaps of nn.Linear), the int4 blocks of GGUF files, and the `auto` rule on fake curves."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from treegraft.machine import cpu_info, cpu_line, native_bf16
+from treegraft.models import build_tiny_model
+from treegraft.models.gguf_convert import _int4_groups
+from treegraft.models.runtime import (
+    Int4Block,
+    Int4Linear,
+    PackedLinear,
+    RuntimeUnavailable,
+    apply_runtime,
+    choose_runtime,
+    curve_at,
+    effective_runtime,
+    model_runtime,
+    pick_runtime,
+    quantize_int4_rtn,
+    runtime_unavailable,
+)
+
+from .conftest import require_embedded
+
+
+def _linear(k: int, n: int, bias: bool, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+        if bias:
+            lin.bias.normal_(0, 0.1)
+    return lin
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64), (5, 64), (2, 3, 64), (1, 1, 64)])
+def test_packed_linear_equals_linear(shape, bias):
+    lin = _linear(64, 48, bias)
+    packed = PackedLinear.from_linear(lin)
+    x = torch.randn(*shape)
+    out = packed(x)
+    assert out.shape == (*shape[:-1], 48) and out.dtype == torch.float32
+    torch.testing.assert_close(out, lin(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_keeps_input_dtype_and_noncontiguous_inputs():
+    lin = _linear(32, 16, True)
+    packed = PackedLinear.from_linear(lin)
+    x = torch.randn(8, 4, 32).transpose(0, 1)  # non-contiguous [4, 8, 32]
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    xb = torch.randn(3, 32).bfloat16()
+    assert packed(xb).dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not native_bf16(), reason="bfloat16_packed needs native bf16 (AVX512-BF16/AMX); emulated here")
+def test_bfloat16_packed_linear_close_to_bfloat16_linear():
+    lin = _linear(64, 48, True)
+    packed = PackedLinear.from_linear(lin, torch.bfloat16)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(packed(x), lin(x), rtol=2e-2, atol=2e-2)
+
+
+def test_bfloat16_packed_is_unavailable_without_native_bf16():
+    reason = runtime_unavailable("bfloat16_packed")
+    assert (reason is None) == native_bf16()
+    if reason:
+        assert "native bf16" in reason
+        with pytest.raises(RuntimeUnavailable, match="native bf16"):
+            apply_runtime(build_tiny_model(0), "bfloat16_packed")
+
+
+def test_cpu_only_runtimes_are_refused_on_cuda_by_name():
+    assert runtime_unavailable("float32", "cuda") is None
+    assert "CPU-only" in runtime_unavailable("int4", "cuda")
+
+
+def test_int4_rtn_round_trip_and_linear():
+    lin = _linear(128, 32, True)
+    block = quantize_int4_rtn(lin.weight)
+    assert block.codes.dtype == torch.uint8 and int(block.codes.max()) <= 15
+    assert block.scales.shape == (32, 4) and block.zeros.shape == (32, 4)
+    err = (block.dequantize() - lin.weight.detach()).abs()
+    assert float((err - block.scales.repeat_interleave(32, 1) / 2).max()) <= 1e-6  # within half a step
+    for max_rows in (None, 2):  # int4 kernel only, and the dense copy for more than 2 rows
+        module = Int4Linear(block, lin.bias, max_rows=max_rows)
+        for shape in ((1, 128), (5, 128), (2, 3, 128)):
+            x = torch.randn(*shape)
+            ref = torch.nn.functional.linear(x, block.dequantize(), lin.bias)
+            torch.testing.assert_close(module(x), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_int4_rejects_unsupported_shapes():
+    with pytest.raises(ValueError, match="divisible"):
+        quantize_int4_rtn(torch.randn(16, 40))
+    block = quantize_int4_rtn(torch.randn(20, 64))
+    with pytest.raises(ValueError, match="out_features % 16"):
+        Int4Linear(block)
+
+
+def _gguf_blocks(qtype_name: str, n_blocks: int, seed: int = 0) -> np.ndarray:
+    """Random but valid raw blocks of a GGUF 4-bit type (finite float16 scales)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    qtype = getattr(gguf.GGMLQuantizationType, qtype_name)
+    _, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(n_blocks, type_size), dtype=np.uint8)
+    n_halves = {"Q4_0": 1, "Q4_1": 2, "Q4_K": 2}[qtype_name]
+    halves = rng.uniform(-0.05, 0.05, size=(n_blocks, n_halves)).astype(np.float16)
+    if qtype_name == "Q4_K":
+        halves = np.abs(halves)
+    blocks[:, : 2 * n_halves] = halves.view(np.uint8).reshape(n_blocks, 2 * n_halves)
+    return blocks
+
+
+@pytest.mark.parametrize("qtype_name", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int4_groups_reproduce_llama_cpp_dequantization(qtype_name):
+    import gguf
+
+    n, k = 32, 512
+    per_row = k // gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, qtype_name)][0]
+    raw = _gguf_blocks(qtype_name, n * per_row).reshape(n, -1)
+    expected = gguf.dequantize(raw, getattr(gguf.GGMLQuantizationType, qtype_name)).reshape(n, k)
+    codes, scales, zeros = _int4_groups(raw, qtype_name, (n, k))
+    block = Int4Block(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(zeros))
+    torch.testing.assert_close(block.dequantize(), torch.from_numpy(expected).float(), rtol=1e-5, atol=1e-6)
+
+
+def _logits(model, ids):
+    with torch.inference_mode():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("runtime", ["float32_packed", "int4"])
+def test_runtime_swap_on_the_tiny_model(runtime):
+    """The swap changes kernels, not maths: float32_packed equals the stock model, int4 equals the stock
+    model whose weights are the dequantized int4 groups (lm_head stays dense), within 1e-4 relative."""
+    ids = list(range(3, 40))
+    stock = build_tiny_model(0)
+    if runtime == "int4":
+        with torch.no_grad():
+            for name, module in stock.named_modules():
+                if isinstance(module, nn.Linear) and not name.endswith("lm_head"):
+                    module.weight.copy_(quantize_int4_rtn(module.weight).dequantize())
+    ref = _logits(stock, ids)
+    model = apply_runtime(build_tiny_model(0), runtime)
+    assert model_runtime(model) == runtime
+    assert not any(type(m) is nn.Linear for m in model.modules())  # every linear swapped, lm_head included
+    out = _logits(model, ids)
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+@pytest.mark.embedded
+def test_float32_packed_logits_equal_stock_on_smollm2():
+    from treegraft.models import load_model
+
+    require_embedded("smollm2-135m")
+    ids = list(range(100, 180))
+    ref = _logits(load_model("embedded:smollm2-135m"), ids)
+    out = _logits(load_model("embedded:smollm2-135m", runtime="float32_packed"), ids)
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-4
+
+
+@pytest.mark.embedded
+def test_int4_uses_the_gguf_blocks_and_stays_close_on_smollm2():
+    from treegraft.models import load_model
+    from treegraft.models.embedded import int4_blocks
+
+    folder = require_embedded("smollm2-135m")
+    blocks = int4_blocks(folder)
+    assert blocks and all(k.endswith(".weight") for k in blocks)
+    ids = list(range(100, 180))
+    ref = _logits(load_model("embedded:smollm2-135m"), ids)
+    model = load_model("embedded:smollm2-135m", runtime="int4")
+    assert sum(isinstance(m, Int4Linear) for m in model.modules()) == len(blocks)
+    out = _logits(model, ids)
+    # the same weights (the float32 conversion is the dequantized GGUF): only accumulation order differs
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-4
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+def test_pick_runtime_rule_on_fake_curves():
+    curves = {
+        "float32": {1: 0.40, 2: 0.70, 4: 0.95, 8: 1.10, 16: 1.50},
+        "float32_packed": {1: 0.35, 2: 0.60, 4: 0.70, 8: 0.85, 16: 1.10},
+        "int4": {1: 0.10, 2: 0.30, 4: 0.60, 8: 1.20, 16: 2.40},  # fast steps, steep trees
+    }
+    assert pick_runtime(curves) == "float32_packed"  # 1.20 vs 1.50 vs 1.30
+    curves["int4"][8] = 1.0
+    assert pick_runtime(curves) == "int4"  # 1.10
+    assert pick_runtime({"a": {1: 1.0, 8: 2.0}, "b": {1: 1.5, 8: 1.5}}) == "a"  # a tie goes to the earlier
+    assert curve_at({1: 1.0, 4: 2.5}, 2) == pytest.approx(1.5)  # interpolated
+    assert curve_at({1: 1.0, 4: 2.5}, 8) == 2.5  # flat past the end
+    with pytest.raises(ValueError):
+        pick_runtime({})
+
+
+def test_choose_runtime_measures_once_then_reads_the_cache(tmp_path):
+    loads = []
+
+    def load(runtime):
+        loads.append(runtime)
+        return apply_runtime(build_tiny_model(0), runtime)
+
+    cache = tmp_path / "runtime.json"
+    lines = []
+    first = choose_runtime(load, "tiny", candidates=("float32", "float32_packed", "int4"), cache_file=cache,
+                           sizes=(1, 8), context=16, log=lines.append, int4_exact=False)
+    assert loads == ["float32", "float32_packed"]  # int4 skipped: re-quantizing is not the model's own numerics
+    assert first.runtime in ("float32", "float32_packed") and not first.cached
+    assert "int4" in first.skipped and len(lines) == 1 and first.runtime in lines[0] and cpu_line() in lines[0]
+    second = choose_runtime(load, "tiny", candidates=("float32", "float32_packed"), cache_file=cache, log=lines.append)
+    assert second.cached and second.runtime == first.runtime and len(loads) == 2 and len(lines) == 1
+    other = choose_runtime(load, "another model", candidates=("float32",), cache_file=cache, sizes=(1, 8), context=16,
+                           log=None)
+    assert not other.cached and other.runtime == "float32"
+
+
+def test_effective_runtime_keeps_dtype_working():
+    assert effective_runtime("auto", None) == "auto"
+    assert effective_runtime("auto", "bfloat16") == "bfloat16"
+    assert effective_runtime("int4", "fp32") == "float32"
+    assert effective_runtime(None, None) is None
+    with pytest.raises(ValueError, match="unknown runtime"):
+        effective_runtime("int8", None)
+    with pytest.raises(ValueError, match="unknown dtype"):
+        effective_runtime("auto", "float16")
+
+
+def test_cpu_line_names_the_cpu_and_isa():
+    info = cpu_info()
+    assert info["cpu"] and info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert info["cpu"] in cpu_line() and info["cpu_capability"] in cpu_line()
