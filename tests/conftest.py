@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("WANDB_MODE", "offline")
+# per-machine measurements (runtime=auto, verification curves) go to a fresh folder, not outputs/cache
+os.environ.setdefault("TREEGRAFT_CACHE", tempfile.mkdtemp(prefix="treegraft-cache-"))
 # CI points TREEGRAFT_BENCHMARKS at ../shared/data/benchmarks; do the same when it is unset here.
 _shared_benchmarks = Path(__file__).resolve().parents[2] / "shared" / "data" / "benchmarks"
 if "TREEGRAFT_BENCHMARKS" not in os.environ and _shared_benchmarks.is_dir():

@@ -22,7 +22,8 @@ def run_generate(*overrides: str, env: dict | None = None) -> subprocess.Complet
 
 
 def test_generate_prints_text_and_stats_line():
-    proc = run_generate("pair=tiny-random", "chat_template=false", "prompt=hello world again", "max_new_tokens=16")
+    proc = run_generate("pair=tiny-random", "chat_template=false", "prompt=hello world again", "max_new_tokens=16",
+                        "runtime=float32")
     assert proc.returncode == 0, proc.stderr
     tok = build_tiny_tokenizer()
     expected = AutoregressiveDecoder(build_tiny_model(0), {2}).generate(tok("hello world again").input_ids, 16)
@@ -64,3 +65,25 @@ def test_generate_speculative_methods_print_the_same_text_as_ar():
         assert proc.stdout == ar.stdout, method
         assert f"[{method}]" in proc.stderr
     assert "mean_AL=" in run_generate(*args, "method=all_small").stderr
+
+
+def test_runtime_auto_prints_its_choice_once(tmp_path):
+    args = ["pair=tiny-random", "chat_template=false", "prompt=hello", "max_new_tokens=4", "runtime=auto"]
+    env = {"TREEGRAFT_CACHE": str(tmp_path)}
+    first = run_generate(*args, env=env)
+    assert first.returncode == 0, first.stderr
+    lines = first.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("runtime auto -> ") and " | " in lines[0]  # with the CPU line
+    chosen = lines[0].split("-> ")[1].split(" ")[0]
+    assert f"runtime={chosen}" in lines[1]
+    second = run_generate(*args, env=env)  # cached per machine and model: only the stats line
+    assert len(second.stderr.strip().splitlines()) == 1 and f"runtime={chosen}" in second.stderr
+    assert first.stdout == second.stdout
+
+
+def test_unknown_runtime_is_one_line():
+    proc = run_generate("pair=tiny-random", "prompt=hi", "runtime=int8")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown runtime 'int8'; expected auto or one of float32, bfloat16, float32_packed, bfloat16_packed, int4"
+    ]

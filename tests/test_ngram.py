@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -71,3 +73,36 @@ def test_extend_cache_switch():
         d.set_scores(3, torch.tensor([[2, 8, 9]]), torch.tensor([[-0.05, -3.0, -4.0]]))  # verified position 3
     assert dict(on.propose([])[0])[2] == pytest.approx(-0.05)
     assert dict(off.propose([])[0])[2] == pytest.approx(-12.0)  # the reference keeps prefill scores only
+
+
+def test_copy_chain_follows_the_most_recent_occurrence_of_the_longest_match():
+    # context: 7 1 2 3 4 5 | 8 1 2 9 | 1 2   (root = 2): [1, 2] last occurred before 9
+    ctx = [7, 1, 2, 3, 4, 5, 8, 1, 2, 9, 1, 2]
+    drafter = NGramDrafter(NGramConfig(max_n=3, copy_len=4, copy_min_order=2))
+    drafter.reset(ctx, *scores_for(len(ctx) - 1, {}, m=3))
+    chain = drafter.copy_chain([])
+    assert [t for t, _ in chain] == [9, 1, 2]  # stops at the newest token (nothing copied past the context)
+    assert [t for t, _ in drafter.copy_chain([9])] == [1, 2]  # below a path: [1, 2, 9] ended at 9, then 1 2
+    longer = NGramDrafter(NGramConfig(max_n=3, copy_len=2, copy_min_order=2))
+    longer.reset([1, 2, 3, 4, 5, 1, 2], *scores_for(6, {}, m=3))
+    assert [t for t, _ in longer.copy_chain([])] == [3, 4]  # copy_len tokens
+    unigram_only = NGramDrafter(NGramConfig(max_n=3, copy_len=4, copy_min_order=2))
+    unigram_only.reset([5, 6, 7, 6], *scores_for(3, {}, m=3))
+    assert unigram_only.copy_chain([]) == []  # only a unigram matches: no chain
+    assert NGramDrafter(NGramConfig(copy_len=0)).copy_chain([]) == []
+
+
+def test_calibrated_scores_are_observed_acceptance_rates():
+    ctx = [1, 2, 3, 9, 2, 3, 7, 5, 3, 8, 1, 2]
+    drafter = NGramDrafter(NGramConfig(max_n=3, top_m=3, scoring="calibrated"))
+    drafter.reset(ctx, *scores_for(len(ctx) - 1, {2: {9: -1.0}, 5: {7: -0.3}, 8: {8: -0.4}}))
+    children, _ = drafter.propose_kinds([3])
+    assert [(t, kind) for t, _, kind in children] == [(9, (3, 0)), (7, (2, 0)), (8, (1, 0))]
+    assert all(score == pytest.approx(math.log(0.3)) for _, score, _ in children)  # the prior before any turn
+    drafter.observe([((3, 0), True)] * 8 + [((1, 0), False)] * 8)
+    by_token = {t: s for t, s, _ in drafter.propose_kinds([3])[0]}
+    assert by_token[9] == pytest.approx(math.log((8 + 0.6) / 10))
+    assert by_token[8] == pytest.approx(math.log(0.6 / 10))
+    assert by_token[9] > by_token[7] > by_token[8]  # long matches that were right rank above unigrams
+    with pytest.raises(ValueError, match="scoring"):
+        NGramConfig(scoring="magic")

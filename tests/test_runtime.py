@@ -237,3 +237,31 @@ def test_cpu_line_names_the_cpu_and_isa():
     info = cpu_info()
     assert info["cpu"] and info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert info["cpu"] in cpu_line() and info["cpu_capability"] in cpu_line()
+
+
+def test_small_gemm_kernel_equals_linear_for_every_row_count():
+    from treegraft.models.runtime import small_gemm
+
+    kernel = small_gemm()
+    if kernel is None:
+        pytest.skip("no AVX2/FMA or no C++ compiler here: float32_packed falls back to MKL/oneDNN")
+    torch.manual_seed(0)
+    for n, k in ((45, 40), (64, 96), (8, 8)):  # a ragged last column group, K not a multiple of 8
+        w, b = torch.randn(n, k), torch.randn(n)
+        packed = kernel.pack(w)
+        for rows in range(1, 13):
+            x = torch.randn(rows, k)
+            torch.testing.assert_close(kernel.linear(x, packed, n, b), x @ w.T + b, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(kernel.linear(x, packed, n, None), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_without_the_kernel_uses_mkl_and_onednn(monkeypatch):
+    import treegraft.models.runtime as rt
+
+    monkeypatch.setattr(rt, "small_gemm", lambda: None)
+    lin = _linear(64, 48, True)
+    packed = rt.PackedLinear.from_linear(lin)
+    assert packed.small is None
+    for rows in (1, 3):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)

@@ -1,31 +1,36 @@
 """Choosing B_ver, the number of draft nodes verified per turn, by expected throughput.
 
 On a GPU a 63-node verification costs about one decoding step, so the paper verifies 63 nodes; on a
-CPU each extra row costs a share of a step. ``budget: auto`` therefore picks, before every turn,
+CPU each extra row costs a share of a step. ``budget: auto`` therefore picks, for every turn's tree,
 
     B* = argmax_B  (1 + E[AL(B)]) / (t_draft + t_verify(B + 1))
 
-(Sequoia's hardware-aware tree size, Chen et al. 2024, with an online acceptance model in the spirit
-of EAGLE-2's confidence-ranked trees):
+(Sequoia's hardware-aware tree size, Chen et al. 2024, chosen per tree from the drafts' own scores
+as EAGLE-2 ranks its tree by confidence):
 
 * ``t_verify(n)`` is the target's measured verification curve (a forward over n tree rows on a real
   KV cache, :func:`~treegraft.models.runtime.forward_curve`), cached per machine, model and runtime,
   and rescaled online by the ratio of observed verification times to the curve (longer contexts,
   machine drift);
 * ``t_draft`` is the running mean of everything in a turn but the verification forward;
-* ``E[AL(B)] = sum_{k <= B} p_k``, where ``p_k`` is the probability that the k-th node in pruning
-  order (:func:`~treegraft.tree.prune_order`) is accepted: AL counts exactly the kept nodes on the
-  target's path, so the expected AL of the top-B nodes is the sum of their acceptance rates.
-  ``p_k`` is learned per decoder (per method) from every turn: verified nodes give their outcome, a
-  rank the tree did not reach counts as a miss;
-  under greedy decoding an unverified node is known too when its depth is within the emitted tokens
-  (accepted + bonus), and one extending the emitted path counts with the observed continuation
-  rate. A prior ``1 / (k + 1)`` with a small weight starts the estimate.
+* ``E[AL(B)] = sum_{k <= B} p(node_k)`` over the first B nodes in pruning order
+  (:func:`~treegraft.tree.prune_order`): AL counts exactly the kept nodes on the target's path, so
+  the expected AL of the top-B nodes is the sum of their acceptance probabilities. ``p`` is a
+  calibration of the node's path score ``cum`` (bins, monotone), learned per decoder (per method)
+  from every turn: verified nodes give their outcome; under greedy decoding an unverified node is
+  known too when its depth is within the emitted tokens (accepted + bonus), and one extending the
+  emitted path counts with the observed continuation rate. Before any data a bin's prior is
+  ``exp(cum)`` (the score read as a probability).
+
+Because B is chosen after the tree is built, a turn whose drafts look weak verifies little or nothing
+and a turn with a confident copy chain verifies it whole. The construction itself (the tree shape,
+which steps are worth running) uses a *planning* budget, the running mean of the chosen B.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +39,9 @@ from torch import nn
 
 from ..atomic import atomic_write_json, read_json
 from ..models.runtime import curve_at, forward_curve, model_runtime, runtime_cache_key
-from ..tree import DraftTree
+from ..tree import DraftTree, prune_order
 
-__all__ = ["DEFAULT_SIZES", "measure_verify_curve", "cached_verify_curve", "AcceptanceModel", "BudgetPlanner"]
+__all__ = ["DEFAULT_SIZES", "CUM_EDGES", "measure_verify_curve", "cached_verify_curve", "AcceptanceModel", "BudgetPlanner"]
 
 DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 
@@ -74,28 +79,44 @@ def cached_verify_curve(model: nn.Module, cache_dir: str | Path | None, max_size
     return curve
 
 
+# upper edges of the path-score bins (log-probabilities); the last bin takes everything below
+CUM_EDGES = (0.0, -0.1, -0.25, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0, -9.0)
+
+
 @dataclass
 class AcceptanceModel:
-    """Acceptance rate by pruning rank, ``p_k = (hits_k + w * prior_k) / (seen_k + w)``, k = 1..max_rank."""
+    """P(a node is accepted | its path score), per bin of ``cum``: ``(hits + w * prior) / (seen + w)``,
+    made non-increasing from the best bin down (a lower score is never more likely to be accepted)."""
 
-    max_rank: int = 64
     prior_weight: float = 2.0
-    hits: list[float] = field(default_factory=list)
-    seen: list[float] = field(default_factory=list)
+    max_nodes: int = 256  # nodes per turn that teach (in pruning order): the rest could never be verified
+    hits: list[float] = field(default_factory=lambda: [0.0] * (len(CUM_EDGES) + 1))
+    seen: list[float] = field(default_factory=lambda: [0.0] * (len(CUM_EDGES) + 1))
     cont_hits: float = 1.0  # accepted children among verified nodes whose parent was accepted (+1 prior)
     cont_seen: float = 2.0
 
-    def __post_init__(self) -> None:
-        if not self.hits:
-            self.hits = [0.0] * (self.max_rank + 1)
-            self.seen = [0.0] * (self.max_rank + 1)
+    @staticmethod
+    def bin_of(cum: float) -> int:
+        for i, edge in enumerate(CUM_EDGES[1:]):
+            if cum > edge:
+                return i
+        return len(CUM_EDGES) - 1 if cum > -float("inf") else len(CUM_EDGES)
 
-    def p(self, k: int) -> float:
-        prior = 1.0 / (k + 1)
-        return (self.hits[k] + self.prior_weight * prior) / (self.seen[k] + self.prior_weight)
+    def _priors(self) -> list[float]:
+        mids = [(hi + lo) / 2 for hi, lo in zip(CUM_EDGES, CUM_EDGES[1:])] + [CUM_EDGES[-1] - 3.0, -float("inf")]
+        return [math.exp(m) for m in mids]
 
-    def expected_al(self, budget: int) -> float:
-        return sum(self.p(k) for k in range(1, min(budget, self.max_rank) + 1))
+    def table(self) -> list[float]:
+        """The calibrated probability of every bin (best scores first)."""
+        out, best = [], 1.0
+        for hits, seen, prior in zip(self.hits, self.seen, self._priors()):
+            p = (hits + self.prior_weight * prior) / (seen + self.prior_weight)
+            best = min(best, p)
+            out.append(best)
+        return out
+
+    def p(self, cum: float) -> float:
+        return self.table()[self.bin_of(cum)]
 
     @property
     def continuation_rate(self) -> float:
@@ -114,11 +135,8 @@ class AcceptanceModel:
                 self.cont_hits += node in accepted_set
         cont = self.continuation_rate
         known = len(emitted)
-        for rank in range(1, self.max_rank + 1):
-            node = order[rank - 1] if rank <= len(order) else None
-            if node is None:  # the tree had fewer nodes: nothing at this rank could be accepted
-                hit = 0.0
-            elif node in kept:
+        for node in order[: self.max_nodes]:
+            if node in kept:
                 hit = float(node in accepted_set)
             elif not greedy:
                 continue  # a sampled acceptance is not determined by the emitted tokens
@@ -131,40 +149,50 @@ class AcceptanceModel:
                     hit = 1.0
                 else:  # extends the emitted path: only the continuation rate says how likely
                     hit = cont ** (len(path) - known)
-            self.hits[rank] += hit
-            self.seen[rank] += 1.0
+            b = self.bin_of(tree.cum[node])
+            self.hits[b] += hit
+            self.seen[b] += 1.0
 
 
 @dataclass
 class BudgetPlanner:
-    """Picks B_ver before every turn from the verification curve, the drafting cost and :class:`AcceptanceModel`."""
+    """Picks B_ver for each turn's tree from the verification curve, the drafting cost and :class:`AcceptanceModel`."""
 
     curve: dict[int, float]
-    max_budget: int = 64
+    max_budget: int = 63
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
     draft_s: float | None = None  # running mean of a turn's time outside the verification forward
     verify_scale: float = 1.0  # running mean of observed / curve verification time
+    planned: float = 8.0  # running mean of the chosen B (the planning budget of the next construction)
     decay: float = 0.9
-
-    def __post_init__(self) -> None:
-        self.acceptance.max_rank = max(self.acceptance.max_rank, self.max_budget)
-        while len(self.acceptance.hits) <= self.acceptance.max_rank:
-            self.acceptance.hits.append(0.0)
-            self.acceptance.seen.append(0.0)
 
     def verify_s(self, budget: int) -> float:
         return self.verify_scale * curve_at(self.curve, budget + 1)
 
-    def throughput(self, budget: int) -> float:
-        """Expected tokens per second of a turn verifying ``budget`` nodes."""
-        return (1.0 + self.acceptance.expected_al(budget)) / ((self.draft_s or 0.0) + self.verify_s(budget))
+    def expected_al(self, tree: DraftTree, order: list[int] | None = None) -> list[float]:
+        """E[AL(B)] for B = 0 .. min(len(order), max_budget)."""
+        order = prune_order(tree) if order is None else order
+        table = self.acceptance.table()
+        out, total = [0.0], 0.0
+        for node in order[: self.max_budget]:
+            total += table[self.acceptance.bin_of(tree.cum[node])]
+            out.append(total)
+        return out
 
-    def choose(self) -> int:
-        return max(range(0, self.max_budget + 1), key=lambda b: (self.throughput(b), -b))
+    def choose(self, tree: DraftTree, order: list[int] | None = None) -> int:
+        """B* for this tree (0 = verify the root alone: a plain decoding step)."""
+        al = self.expected_al(tree, order)
+        draft = self.draft_s or 0.0
+        return max(range(len(al)), key=lambda b: ((1.0 + al[b]) / (draft + self.verify_s(b)), -b))
+
+    def planning_budget(self) -> int:
+        """The budget a construction plans for (shape, steps worth running): 1.5x the recent mean B, >= 4."""
+        return max(4, min(self.max_budget, math.ceil(1.5 * self.planned)))
 
     def observe(self, budget: int, verify_s: float, other_s: float) -> None:
-        """Fold in one turn's measured verification forward and everything else."""
+        """Fold in one turn's chosen B, its measured verification forward and everything else."""
         expected = curve_at(self.curve, budget + 1)
         if expected > 0 and verify_s > 0:
             self.verify_scale = self.decay * self.verify_scale + (1 - self.decay) * (verify_s / expected)
         self.draft_s = other_s if self.draft_s is None else self.decay * self.draft_s + (1 - self.decay) * other_s
+        self.planned = self.decay * self.planned + (1 - self.decay) * budget

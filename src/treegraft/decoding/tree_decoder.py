@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..drafters.middle import MiddleDrafter
-from ..drafters.ngram import NGramConfig, NGramDrafter
+from ..drafters.ngram import COPY, NGramConfig, NGramDrafter
 from ..drafters.vocab import SubsetHead, VocabSubset, frequent_tokens
 from ..model_io import (cache_length, forward_hidden, head_weight, keep_cache_positions, lm_logits, logit_softcap,
                         new_cache)
@@ -217,9 +217,9 @@ class TreeGraftDecoder:
         self.middle = MiddleDrafter(middle, draft_vocab) if middle is not None and may_call else None
         self._eager_middle_prefill = eager_middle_prefill
         self.ngram = NGramDrafter(self.cfg.ngram)
+        self._small_kinds: dict[int, tuple] = {}  # this turn's n-gram nodes -> their kind (the drafter learns rates)
         self._budget: int | None = None if self.cfg.budget == "auto" else int(self.cfg.budget)
         self.planner: BudgetPlanner | None = None
-        self._turn_budget = 0
         self._al_mean = 0.0  # running mean of AL: how many likely-path rows verification prefetches
         self.scheduler: Scheduler = scheduler or FixedScheduler(self.cfg.actions())
         # runtime context of the scheduler state (ms per target verification / middle forward),
@@ -240,16 +240,26 @@ class TreeGraftDecoder:
     def verify_curve(self) -> dict[int, float] | None:
         return self.planner.curve if self.planner is not None else None
 
-    def budget(self) -> int:
-        """B_ver of the current turn: the configured value, or (``auto``) the planner's choice, made
-        when the turn's tree is started (the curve is measured, or read from the cache, once)."""
-        if self._budget is not None:
-            return self._budget
-        if self.planner is None:
+    def _planner(self) -> BudgetPlanner:
+        if self.planner is None:  # the verification curve is measured, or read from the cache, once
             curve = cached_verify_curve(self.target, self.cache_dir, self.cfg.auto_max_budget)
             self.planner = BudgetPlanner(curve, self.cfg.auto_max_budget)
-            self._turn_budget = self.planner.choose()
-        return self._turn_budget
+        return self.planner
+
+    def budget(self) -> int:
+        """The B_ver a turn's construction plans for (tree shape, steps worth running): the configured
+        value, or with ``budget=auto`` the planner's running estimate (:meth:`budget_for` decides the
+        verified size once the tree is built)."""
+        if self._budget is not None:
+            return self._budget
+        return self._planner().planning_budget()
+
+    def budget_for(self, tree: DraftTree) -> int:
+        """B_ver of this turn's tree: the configured value, or with ``budget=auto`` the size with the
+        best expected throughput given the tree's scores (:meth:`BudgetPlanner.choose`)."""
+        if self._budget is not None:
+            return self._budget
+        return self._planner().choose(tree)
 
     def shape(self) -> tuple[int, int, int | None]:
         """``(W, m, rescoring scope)`` of the current turn (scope None: the whole tree)."""
@@ -314,16 +324,39 @@ class TreeGraftDecoder:
         start = time.perf_counter()
         cap = self.cfg.node_cap
         m = self.shape()[1]
-        for node in nodes:
-            children, _ = self.ngram.propose(tree.path_tokens(node), m)
-            for token, score in children:
+        kinds = self._small_kinds
+        if nodes == [0] and self.cfg.ngram.copy_len:  # a copy chain under the root, before its other children
+            parent = 0
+            for token, score in self.ngram.copy_chain([]):
                 if len(tree) >= cap:
                     break
-                tree.add_child(node, token, score, SMALL, step)
+                parent = tree.add_child(parent, token, score, SMALL, step)
+                kinds.setdefault(parent, COPY)
+        for node in nodes:
+            children, _ = self.ngram.propose_kinds(tree.path_tokens(node), m)
+            for token, score, kind in children:
+                if len(tree) >= cap:
+                    break
+                kinds.setdefault(tree.add_child(node, token, score, SMALL, step), kind)
         elapsed = time.perf_counter() - start
         stats["small_s"] += elapsed
         stats["small_propose_s"] = stats.get("small_propose_s", 0.0) + elapsed  # lookups only (per-call cost)
         stats["small_calls"] += len(nodes)
+
+    def _ngram_outcomes(self, tree: DraftTree, kept: set[int], path_nodes: list[int], emitted: list[int]):
+        """(kind, accepted) of every n-gram child whose parent was accepted (the root included) and whose
+        own outcome is known: verified, or (greedy) within the emitted tokens."""
+        on_path = set(path_nodes)
+        accepted = set(path_nodes[1:])
+        out = []
+        for node, kind in self._small_kinds.items():
+            if tree.parent[node] not in on_path or not tree.alive[node]:
+                continue
+            if node in kept:
+                out.append((kind, node in accepted))
+            elif self.sampling.greedy and tree.depth[node] <= len(emitted):
+                out.append((kind, tree.token[node] == emitted[tree.depth[node] - 1]))
+        return out
 
     def _expand_middle(self, tree: DraftTree, nodes: list[int], step: int, stats: dict) -> None:
         start = time.perf_counter()
@@ -501,13 +534,10 @@ class TreeGraftDecoder:
         return tree
 
     def start_tree(self, root_token: int) -> tuple[DraftTree, "BuildState"]:
-        """A turn's root-only tree and its construction state (the middle drafter starts a new turn;
-        with ``budget=auto`` the turn's B_ver is chosen here)."""
+        """A turn's root-only tree and its construction state (the middle drafter starts a new turn)."""
         if self.middle is not None:
             self.middle.start_turn()
-        if self._budget is None:
-            self.budget()
-            self._turn_budget = self.planner.choose()
+        self._small_kinds = {}
         return DraftTree.with_root(root_token), BuildState()
 
     def apply_step(self, tree: DraftTree, build: "BuildState", step: int, action: int, stats: dict) -> None:
@@ -552,7 +582,7 @@ class TreeGraftDecoder:
         acceptance visits: the likely path (the root and its best-scored descendants, as many as the
         recent mean AL suggests) in one batch, any other row when the walk reaches it.
         """
-        kept = prune_to_budget(tree, self.budget())
+        kept = prune_to_budget(tree, self.budget_for(tree))
         start = time.perf_counter()
         L = cache_length(self.cache)
         inputs = build_tree_inputs(tree, kept, L)
@@ -593,8 +623,8 @@ class TreeGraftDecoder:
         stats = {"small_s": 0.0, "middle_s": 0.0, "verify_s": 0.0, "small_calls": 0, "middle_calls": 0,
                  "target_forward_s": 0.0, "middle_forward_s": 0.0}
         tree = self.build_tree(root, actions, stats)
-        budget = self.budget()
         inputs, acc = self.verify_tree(tree, stats, generator)
+        budget = inputs.size - 1
         L = int(inputs.position_ids[0])  # the root sits at the context length
         start = time.perf_counter()
         keep_cache_positions(self.cache, L, [L + row for row in acc.rows])
@@ -606,6 +636,7 @@ class TreeGraftDecoder:
         # n-gram drafter: the context grows by the emitted tokens; the target's top-m at the verified
         # positions (root and accepted nodes) extends its score cache
         start = time.perf_counter()
+        self.ngram.observe(self._ngram_outcomes(tree, set(inputs.node_ids), path_nodes, emitted))
         self.ngram.append(emitted)
         if self.cfg.ngram.extend_cache:
             logp = torch.log_softmax(torch.stack(acc.logits), dim=-1)
@@ -615,7 +646,7 @@ class TreeGraftDecoder:
         if self.middle is not None:
             self.middle.commit(path_nodes, path_tokens)
         self._al_mean = 0.8 * self._al_mean + 0.2 * acc.accepted
-        if self.planner is not None:  # learn acceptance by pruning rank, and this turn's costs
+        if self.planner is not None:  # learn acceptance by path score, and this turn's costs
             self.planner.acceptance.update(tree, prune_order(tree), set(inputs.node_ids[1:]), path_nodes[1:], emitted,
                                            self.sampling.greedy)
 

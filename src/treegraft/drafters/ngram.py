@@ -9,16 +9,34 @@ verified since). A token outside the cached top-m gets a floor: the position's m
 minus ``floor_penalty``; a position with no cache at all (``extend_cache=False`` past the prompt)
 gets ``uncached_score``. Distinct tokens are collected over orders N..1 until m are found; within
 an order, higher scores first. No match at any order proposes nothing.
+
+Copy chains (our addition, ``copy_len`` > 0): where the context + path ends in an n-gram of order
+>= ``copy_min_order`` seen before, :meth:`copy_chain` proposes the ``copy_len`` tokens that followed
+its most recent occurrence, as one deep branch: what prompt lookup decoding drafts, inside the tree.
+
+Scoring (``scoring``): ``target`` is the SPEC's (the cached target log-probability, or the floor);
+copied tokens score at least the log of the copy rate. ``calibrated`` (our addition) scores a child by
+the log of the rate at which children of its kind were accepted when their parent was: the kind is
+(matched order, rank among that order's proposals) or ``copy``, counted from every turn
+(:meth:`observe`; prior 0.3, copies 0.5). Why: the cached score says how likely the target found a
+token *where it occurred*, which is a poor guide to whether it follows *now*: a unigram match's
+continuation is usually wrong however confident the target was there, and an identifier copied from
+the prompt was unlikely where it first appeared yet is a sure copy later. Calibrated scores make a
+path's ``cum`` the log-probability that it is accepted, so pruning keeps deep copy chains over wide
+shallow guesses, and the ranking inside an order still follows the target's cached scores.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NGramConfig", "NGramDrafter"]
+__all__ = ["NGramConfig", "NGramDrafter", "COPY"]
+
+COPY = ("copy",)  # the kind of a copy chain's tokens
 
 
 @dataclass
@@ -33,10 +51,16 @@ class NGramConfig:
     # scores at prompt positions: log-softmax over the K most frequent tokens plus the prompt's own
     # (None: the full vocabulary); see TreeGraftDecoder._prefill
     prefill_vocab: int | None = None
+    copy_len: int = 0  # tokens of a copy chain under the root (0: none)
+    copy_min_order: int = 2  # shortest matched n-gram that starts a copy chain
+    scoring: str = "target"  # target (cached target log-probabilities) | calibrated (observed acceptance rates)
 
     def __post_init__(self) -> None:
         if self.max_n < 1 or self.top_m < 1:
             raise ValueError(f"ngram max_n and top_m must be >= 1, got {self.max_n}, {self.top_m}")
+        if self.scoring not in ("target", "calibrated"):
+            raise ValueError(f"ngram scoring must be target or calibrated, got {self.scoring!r}")
+
 
 
 class NGramDrafter:
@@ -49,6 +73,8 @@ class NGramDrafter:
         # per position p: ({token: logprob} of the target's next-token distribution at p, floor score)
         self.scores: list[tuple[dict[int, float], float] | None] = []
         self.prompt_len = 0
+        # acceptance counts per kind of child (see `scoring`), kept across prompts: kind -> [hits, seen]
+        self.rates: dict[tuple, list[float]] = {}
 
     def reset(self, prompt_ids: list[int], top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> None:
         """Index the prompt; ``top_ids``/``top_logprobs`` [T', m] are the target's top-m at positions 0..T'-1."""
@@ -89,6 +115,19 @@ class NGramDrafter:
         table, floor = cached
         return table.get(token, floor)
 
+    def rate(self, kind: tuple) -> float:
+        """P(a child of this kind is accepted | its parent was): observed, with a prior of weight 2."""
+        hits, seen = self.rates.get(kind, (0.0, 0.0))
+        prior = 0.5 if kind == COPY else 0.3
+        return (hits + 2 * prior) / (seen + 2)
+
+    def observe(self, outcomes: list[tuple[tuple, bool]]) -> None:
+        """Count (kind, accepted) outcomes of children whose parent was accepted."""
+        for kind, hit in outcomes:
+            counts = self.rates.setdefault(kind, [0.0, 0.0])
+            counts[0] += float(hit)
+            counts[1] += 1.0
+
     def propose(self, path: list[int], m: int | None = None) -> tuple[list[tuple[int, float]], int]:
         """Up to ``m`` (token, score) children for the node whose path below the root is ``path``.
 
@@ -96,14 +135,20 @@ class NGramDrafter:
         children (best first within each order, longer orders first) and the longest matched order
         (0 when nothing matched).
         """
+        children, match = self.propose_kinds(path, m)
+        return [(token, score) for token, score, _ in children], match
+
+    def propose_kinds(self, path: list[int], m: int | None = None) -> tuple[list[tuple[int, float, tuple]], int]:
+        """:meth:`propose` with each child's kind ``(order, rank)`` (rank among its order, capped at 2)."""
         m = m or self.cfg.top_m
         toks = self.tokens
         n_max = self.cfg.max_n
         tail = toks[-n_max:] + path if len(path) < n_max else path
         tail = tail[-n_max:]
         last = len(toks) - 1
-        found: dict[int, float] = {}
-        out: list[tuple[int, float]] = []
+        calibrated = self.cfg.scoring == "calibrated"
+        found: set[int] = set()
+        out: list[tuple[int, float, tuple]] = []
         match = 0
         for n in range(min(n_max, len(tail)), 0, -1):
             ends = self.index[n].get(tuple(tail[-n:]))
@@ -121,9 +166,34 @@ class NGramDrafter:
                     level[nxt] = score
             if level:
                 match = max(match, n)
-            for token, score in sorted(level.items(), key=lambda kv: -kv[1]):
-                found[token] = score
-                out.append((token, score))
+            for rank, (token, score) in enumerate(sorted(level.items(), key=lambda kv: -kv[1])):
+                kind = (n, min(rank, 2))
+                found.add(token)
+                out.append((token, math.log(self.rate(kind)) if calibrated else score, kind))
                 if len(out) >= m:
                     return out, match
         return out, match
+
+    def copy_chain(self, path: list[int], max_len: int | None = None) -> list[tuple[int, float]]:
+        """The tokens that followed the most recent occurrence of the longest n-gram (order >=
+        ``copy_min_order``) ending context + path, as (token, score) pairs; [] when there is none."""
+        max_len = self.cfg.copy_len if max_len is None else max_len
+        if max_len <= 0:
+            return []
+        toks = self.tokens
+        n_max = self.cfg.max_n
+        tail = (toks[-n_max:] + path)[-n_max:]
+        last = len(toks) - 1
+        copy_score = math.log(self.rate(COPY))
+        calibrated = self.cfg.scoring == "calibrated"
+        for n in range(min(n_max, len(tail)), self.cfg.copy_min_order - 1, -1):
+            ends = [e for e in self.index[n].get(tuple(tail[-n:]), ()) if e < last]
+            if not ends:
+                continue
+            start = ends[-1]
+            chain = []
+            for pos in range(start, min(last, start + max_len)):
+                token = toks[pos + 1]
+                chain.append((token, copy_score if calibrated else max(self._score(pos, token), copy_score)))
+            return chain
+        return []

@@ -10,8 +10,10 @@ modeling code:
 ===================  ======================================================================
 ``float32``          stock model, float32 (the reference numerics of the equality tests)
 ``bfloat16``         stock model cast to bfloat16
-``float32_packed``   float32 weights prepacked once: MKL's packed GEMM for one-row products,
-                     oneDNN's for wider ones (two packed copies, ~2.2x the float32 weight bytes)
+``float32_packed``   float32 weights prepacked once: our small-batch kernel (``csrc/small_gemm.cpp``,
+                     AVX2/FMA, compiled on first use) for products of up to 8 rows, oneDNN's
+                     for wider ones (two packed copies, 2x the float32 weight bytes; without the
+                     kernel MKL's packed GEMV does one-row products)
 ``bfloat16_packed``  bfloat16 weights prepacked for oneDNN (needs native bf16: AVX512-BF16/AMX);
                      activations stay float32 outside the linears
 ``int4``             weight-only int4, groups of 32 (``_weight_int4pack_mm_for_cpu``, gpt-fast's
@@ -28,9 +30,12 @@ The choice is cached per machine and model (:func:`runtime_cache_key`).
 
 from __future__ import annotations
 
+import functools
 import gc
+import platform
 import statistics
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -62,6 +67,7 @@ __all__ = [
 ]
 
 RUNTIMES = ("float32", "bfloat16", "float32_packed", "bfloat16_packed", "int4")
+KERNELS_VERSION = 2  # part of every cached measurement's key: bump when a runtime's kernels change
 INT4_GROUP = 32
 
 
@@ -97,6 +103,37 @@ def runtime_unavailable(runtime: str, device: str | torch.device = "cpu") -> str
     return None
 
 
+SMALL_GEMM_MAX_ROWS = 8
+_CSRC = Path(__file__).parent / "csrc"
+
+
+@functools.cache
+def small_gemm():
+    """The compiled small-batch float32 kernel (``csrc/small_gemm.cpp``), or None where it cannot run
+    or be built (not x86 with AVX2, no C++ compiler). Built once per machine into PyTorch's extension
+    cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)."""
+    if platform.machine().lower() not in ("x86_64", "amd64") or not _has_avx2_fma():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load("treegraft_small_gemm", sources=[str(_CSRC / "small_gemm.cpp")],
+                    extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
+    except Exception as err:  # no compiler, no ninja, ...: the stock kernels still work
+        warnings.warn(f"small-batch kernel not built ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+                      "float32_packed uses MKL/oneDNN only", stacklevel=2)
+        return None
+
+
+def _has_avx2_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+        return "avx2" in flags and "fma" in flags
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+
+
 def _mkl_packing() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
@@ -111,8 +148,8 @@ class PackedLinear(nn.Module):
 
     Inputs of any shape ``[..., in_features]`` and dtype; the product runs in ``dtype`` (float32 or
     bfloat16) and the output comes back in the input's dtype, shape ``[..., out_features]``.
-    float32 one-row products use MKL's packed GEMM (the fastest GEMV measured here), wider ones
-    oneDNN's; bfloat16 uses oneDNN for every row count.
+    float32 products of up to 8 rows use :func:`small_gemm` (or, without it, MKL's packed GEMV for
+    one row), wider ones oneDNN's; bfloat16 uses oneDNN for every row count.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
@@ -131,8 +168,10 @@ class PackedLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
         except RuntimeError as err:
             raise RuntimeUnavailable(f"oneDNN cannot pack a {dtype} weight on this CPU: {str(err).splitlines()[0]}") from err
+        self.small = small_gemm() if dtype == torch.float32 else None
+        self.small_packed = self.small.pack(weight) if self.small is not None else None
         self.mkl_packed = None
-        if dtype == torch.float32 and _mkl_packing():
+        if dtype == torch.float32 and self.small is None and _mkl_packing():
             self.mkl_packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, 1)
             # _mkl_linear reads only the shape of its dense-weight argument when the row count matches
             # the packing's batch size (1 here), so a zero-stride view stands in for it (no memory)
@@ -147,7 +186,9 @@ class PackedLinear(nn.Module):
         x2 = _flatten(x, self.in_features)
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
-        if self.mkl_packed is not None and x2.shape[0] == 1:
+        if self.small is not None and x2.shape[0] <= SMALL_GEMM_MAX_ROWS:
+            y = self.small.linear(x2, self.small_packed, self.out_features, self.bias)
+        elif self.mkl_packed is not None and x2.shape[0] == 1:
             y = torch.ops.mkl._mkl_linear(x2, self.mkl_packed, self._shape_only, self.bias, 1)
         else:
             y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
@@ -413,7 +454,7 @@ class RuntimeChoice:
 
 def runtime_cache_key(model_id: str, device: str | torch.device = "cpu") -> str:
     """Machine + model: the CPU line (model name, ISA, bf16, threads, torch) and the model's identity."""
-    return f"{cpu_line()} | {torch.device(device)} | {model_id}"
+    return f"{cpu_line()} | kernels v{KERNELS_VERSION} | {torch.device(device)} | {model_id}"
 
 
 DEFAULT_CANDIDATES = ("float32", "float32_packed", "bfloat16_packed", "int4")

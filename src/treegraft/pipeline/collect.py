@@ -233,11 +233,9 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console) -> None:
                for b in p.fit_benchmarks}
     warm_ids = next(iter(prompts.values()))[0][1]
     t_tgt, t_mid = decoder.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context, not used as data
-    curve = decoder.verify_curve
-    if curve is None:  # a fixed budget: measure the curve anyway, for the report's figure
-        from ..decoding.budget import measure_verify_curve
+    from ..decoding.budget import cached_verify_curve
 
-        curve = measure_verify_curve(pair.target, context=256, max_size=64, stop_ratio=8.0)
+    curve = cached_verify_curve(pair.target, cfg.paths.cache_dir)  # the report's figure, and budget=auto's
     atomic_write_json({"pair": pair_name, "budget": budget, "t_tgt_ms": t_tgt, "t_mid_ms": t_mid,
                        "verify_curve": curve}, collect_dir / pair_name / "runtime.json")
     console.print(f"[bold]{pair_name}[/]: B_ver={budget}, t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")

@@ -87,7 +87,6 @@ def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = Tr
     tree, build = decoder.start_tree(root)
     base = mid.snapshot()
     context_len = decoder.cache.get_seq_length()
-    budget = decoder.budget()
     verified: dict[tuple, tuple[int, float, int]] = {}
     if not decoder.sampling.greedy:
         raise ValueError("schedule enumeration labels turns by greedy acceptance; use temperature 0")
@@ -95,7 +94,7 @@ def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = Tr
     def walk(tree: DraftTree, build: BuildState, prefix: str, spent: dict, snap: tuple) -> None:
         step = len(prefix) + 1
         if step > depth:
-            kept = prune_to_budget(tree, budget)
+            kept = prune_to_budget(tree, decoder.budget_for(tree))
             # greedy acceptance depends only on the pruned tree's token structure: schedules whose
             # pruned trees coincide (common when B_ver is small) share one verification
             signature = tuple(sorted(tuple(tree.path_tokens(n)) for n in kept))
