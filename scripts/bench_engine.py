@@ -166,6 +166,9 @@ def runtime_table(cfg: DictConfig, prompts, console: Console, out_dir: Path) -> 
     rows = []
     sizes = list(cfg.curve_sizes)
     some = prompts[: int(cfg.runtime_prompts)]
+    probe = torch.tensor([some[0][2][:64]])
+    with torch.inference_mode():
+        ref = load_model(cfg.pair.target, "float32", cfg.device, cfg.paths.models_dir)(probe).logits[0].float()
     for runtime in RUNTIMES:
         why = runtime_unavailable(runtime, cfg.device)
         if why:
@@ -177,8 +180,12 @@ def runtime_table(cfg: DictConfig, prompts, console: Console, out_dir: Path) -> 
         dec.generate(some[0][2], 4)  # warm-up
         res = [dec.generate(ids, int(cfg.runtime_tokens)) for _, _, ids in some]
         tok = sum(r.new_tokens for r in res) / sum(r.wall_time_s - r.prefill_time_s for r in res)
+        with torch.inference_mode():  # how far its numerics are from the float32 conversion (64 prompt positions)
+            logits = model(probe).logits[0].float()
         rows.append({"runtime": runtime, **{f"t{n}_ms": 1000 * curve[n] for n in sizes},
                      **{f"x{n}": curve[n] / curve[1] for n in sizes if n > 1}, "ar_decode_tokens_per_s": tok,
+                     "logit_max_rel_diff": float((logits - ref).abs().max() / ref.abs().max()),
+                     "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
                      "cpu": cpu_line()})
         del model, dec
     df = pd.DataFrame(rows)
@@ -187,7 +194,8 @@ def runtime_table(cfg: DictConfig, prompts, console: Console, out_dir: Path) -> 
         df["ar_x_float32"] = df["ar_decode_tokens_per_s"] / base
     table = Table(title=f"runtimes of {cfg.pair.target} (verification at a {cfg.curve_context}-token context; "
                         f"ar decoding after prefill, {len(some)} prompts x {cfg.runtime_tokens} tokens)")
-    cols = ["runtime", *[f"t{n}_ms" for n in sizes], "x8", "x16", "ar_decode_tokens_per_s", "ar_x_float32"]
+    cols = ["runtime", *[f"t{n}_ms" for n in sizes], "x8", "x16", "ar_decode_tokens_per_s", "ar_x_float32",
+            "logit_max_rel_diff", "top1_agreement"]
     cols = [c for c in cols if c in df.columns]
     for c in cols:
         table.add_column(c)

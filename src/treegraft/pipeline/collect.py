@@ -24,6 +24,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from ..decoding.tree_decoder import TreeGraftDecoder
+from ..machine import cpu_info
 from ..scheduling.enumeration import TurnEnumeration, enumerate_turn
 from ..scheduling.features import state_names, state_vector, suffix_names, suffix_vector
 from ..scheduling.signals import SIGNAL_NAMES
@@ -221,11 +222,13 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console) -> None:
 
     from ..decoding.factory import tree_config_from
     from ..models import load_pair
+    from ..models.runtime import effective_runtime
     from .common import pair_spec, stage_prompts
 
     p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
-    pair = load_pair(pair_spec(pair_name), dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
+    pair = load_pair(pair_spec(pair_name), device=p.device, models_dir=cfg.paths.models_dir,
+                     runtime=effective_runtime(cfg.runtime, p.dtype), cache_dir=cfg.paths.cache_dir, log=console.print)
     decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree),
                                cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True)
     budget = decoder.budget()
@@ -236,7 +239,7 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console) -> None:
     from ..decoding.budget import cached_verify_curve
 
     curve = cached_verify_curve(pair.target, cfg.paths.cache_dir)  # the report's figure, and budget=auto's
-    atomic_write_json({"pair": pair_name, "budget": budget, "t_tgt_ms": t_tgt, "t_mid_ms": t_mid,
+    atomic_write_json({"pair": pair_name, "runtime": pair.runtime, **cpu_info(), "budget": budget, "t_tgt_ms": t_tgt, "t_mid_ms": t_mid,
                        "verify_curve": curve}, collect_dir / pair_name / "runtime.json")
     console.print(f"[bold]{pair_name}[/]: B_ver={budget}, t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")
     jobs = [(b, qid, ids) for b, items in prompts.items() for qid, ids in items]

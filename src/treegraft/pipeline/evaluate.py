@@ -30,7 +30,9 @@ from ..decoding.equality import compare_outputs
 from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, build_decoder, load_learned_scheduler
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
+from ..machine import cpu_info, cpu_line
 from ..models import load_model, load_pair, load_tokenizer
+from ..models.runtime import effective_runtime
 from .artifacts import atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
 from .common import pair_spec, print_table, stage_prompts
 from .tracking import stage_logger
@@ -46,9 +48,13 @@ def eval_pairs(cfg: DictConfig) -> list[str]:
     return pairs + [h for h in (p.held_out_pairs or []) if h not in pairs]
 
 
-def make_record(pair: str, benchmark: str, method: str, question_id: int, result, text: str) -> dict:
+def make_record(pair: str, benchmark: str, method: str, question_id: int, result, text: str,
+                context: dict | None = None) -> dict:
+    """One Spec-Bench/FastChat answer record; ``context``: what it was measured on (runtime, tree
+    shape, CPU line), copied into the record."""
     turns = result.turns
     split = {k: sum(t.get(k, 0.0) for t in turns) for k in ("small_s", "middle_s", "verify_s", "other_s")}
+    budgets = [t["budget"] for t in turns if "budget" in t]
     return {
         "question_id": question_id,
         "model_id": f"{pair}/{method}",
@@ -70,6 +76,9 @@ def make_record(pair: str, benchmark: str, method: str, question_id: int, result
         "middle_calls": sum(t.get("middle_calls", 0) for t in turns),
         "steps": sum(len(t.get("schedule", ())) for t in turns),
         "time_split": split,
+        "mean_budget": sum(budgets) / len(budgets) if budgets else None,  # B_ver verified per turn
+        "prefill_s": result.prefill_time_s,
+        **(context or {}),
         "tstamp": time.time(),
     }
 
@@ -133,6 +142,7 @@ def run_key(cfg: DictConfig, pair: str, method: str, offset: int, artifacts: Pat
         e.pop(k, None)
     parts = {"pair": pair, "method": method, "offset": offset, "evaluation": e,
              "tree": OmegaConf.to_container(cfg.tree, resolve=True), "dtype": cfg.pipeline.dtype,
+             "runtime": cfg.runtime, "cpu": cpu_line(),
              "device": cfg.pipeline.device, "warmup_tokens": cfg.pipeline.warmup_tokens}
     if method in LEARNED_ARTIFACTS:
         parts["artifacts"] = {name: file_hash(artifacts / name) for name in LEARNED_ARTIFACTS[method]}
@@ -175,8 +185,12 @@ def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
         if not todo:
             console.print(f"{pair_name}: every record is saved and up to date")
             continue
-        pair = load_pair(spec, dtype=p.dtype, device=p.device, models_dir=cfg.paths.models_dir)
-        target_fp32 = pair.target if p.dtype == "float32" else None
+        pair = load_pair(spec, device=p.device, models_dir=cfg.paths.models_dir,
+                         runtime=effective_runtime(cfg.runtime, p.dtype), cache_dir=cfg.paths.cache_dir,
+                         log=console.print)
+        target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
+        context = {"runtime": pair.runtime, "tree_shape": cfg.tree.shape, "budget_setting": str(cfg.tree.budget),
+                   **cpu_info()}
         warm_ids = next(iter(prompts.values()))[0][1]
         decoders = {}
         for method in todo:  # every warm-up before any timing
@@ -195,7 +209,7 @@ def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
                 for qid, ids in prompts[bench]:
                     result = decoders[method].generate(ids, int(e.max_new_tokens))
                     text = pair.tokenizer.decode(result.tokens, skip_special_tokens=True)
-                    records.append(make_record(pair_name, bench, method, qid, result, text))
+                    records.append(make_record(pair_name, bench, method, qid, result, text, context))
                     records[-1].update(prompt_ids=ids, run_key=keys[method])
             if method == "ar":
                 reference.update({(bench, r["question_id"]): r["tokens"] for r in records})
