@@ -10,7 +10,7 @@ import torch
 
 from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
 from treegraft.pipeline.collect import decode_with_enumeration, enumeration_rows
-from treegraft.scheduling.enumeration import enumerate_turn, schedule_key
+from treegraft.pipeline.enumeration import enumerate_turn, schedule_key
 
 PROMPT = "abcabc abcabc abcabc abc"
 ALL = sorted(schedule_key(s) for s in itertools.product((0, 1), repeat=5))

@@ -32,7 +32,7 @@ def tree_config_from(method: str, tree: dict | None) -> TreeConfig:
 
 def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: float | None = None):
     """The policy of ``treegraft`` (``<dir>/distill/scheduler.pt``) or ``direct_planner`` (``<dir>/fit/``)."""
-    from ..pipeline.artifacts import MissingArtifactError
+    from ..errors import MissingArtifactError
     from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor
     from ..scheduling.value import ValueSystem
 

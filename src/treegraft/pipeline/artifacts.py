@@ -21,6 +21,7 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from ..atomic import atomic_torch_save, atomic_write, atomic_write_json, atomic_write_text
+from ..errors import MissingArtifactError
 
 __all__ = [
     "MissingArtifactError",
@@ -36,10 +37,6 @@ __all__ = [
 ]
 
 STAGES = ("collect", "fit", "distill", "evaluate", "report")
-
-
-class MissingArtifactError(FileNotFoundError):
-    """An input artifact of a stage does not exist; the message names the stage that writes it."""
 
 
 def stage_dir(output_dir: str | os.PathLike, experiment: str, stage: str) -> Path:

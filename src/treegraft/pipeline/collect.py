@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..machine import cpu_info
-from ..scheduling.enumeration import TurnEnumeration, enumerate_turn
+from .enumeration import TurnEnumeration, enumerate_turn
 from ..scheduling.features import state_names, state_vector, suffix_names, suffix_vector
 from ..scheduling.signals import SIGNAL_NAMES
 from .artifacts import MissingArtifactError, atomic_write_json, atomic_write_parquet

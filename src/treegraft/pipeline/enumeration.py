@@ -23,7 +23,7 @@ import torch
 from ..decoding.tree_decoder import BuildState, TreeGraftDecoder
 from ..model_io import truncate_cache
 from ..tree import DraftTree, prune_to_budget
-from .policy import StepState
+from ..scheduling.policy import StepState
 
 __all__ = ["ScheduleOutcome", "TurnEnumeration", "enumerate_turn", "schedule_key"]
 
