@@ -200,28 +200,30 @@ def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
             else:
                 dec.generate(warm_ids, int(p.warmup_tokens))  # warm-up, not scored
             decoders[method] = dec
-        reference: dict[tuple[str, int], list[int]] = {}
-        for bench, method in tqdm(jobs, desc=f"evaluate {pair_name}", file=sys.stderr):
-            records = saved[bench, method]
-            fresh = records is None
-            if fresh:
-                records = []
-                for qid, ids in prompts[bench]:
+        bar = tqdm(total=sum(len(prompts[b]) for b in benchmarks), desc=f"evaluate {pair_name} (prompts, every method)",
+                   file=sys.stderr)
+        for bench in benchmarks:
+            fresh = [m for m in methods if saved[bench, m] is None]
+            records = {m: saved[bench, m] for m in methods if m not in fresh}
+            records.update({m: [] for m in fresh})
+            for qid, ids in prompts[bench]:  # the methods interleaved prompt by prompt: machine drift hits all alike
+                for method in fresh:
                     result = decoders[method].generate(ids, int(e.max_new_tokens))
                     text = pair.tokenizer.decode(result.tokens, skip_special_tokens=True)
-                    records.append(make_record(pair_name, bench, method, qid, result, text, context))
-                    records[-1].update(prompt_ids=ids, run_key=keys[method])
-            if method == "ar":
-                reference.update({(bench, r["question_id"]): r["tokens"] for r in records})
-            elif sampling.greedy and fresh:
-                for r in records:
-                    ref = reference[(bench, r["question_id"])]
-                    if r["tokens"] != ref and target_fp32 is None:
-                        target_fp32 = load_model(pair.spec.target, "float32", p.device, cfg.paths.models_dir)
-                    rep = compare_outputs(ref, r["tokens"], r["prompt_ids"], target_fp32, float(e.tie_tolerance))
-                    r["matches_ar"], r["mismatch_explained"] = rep.equal, rep.explained_by_tie
-            if fresh:
-                _write_records(records, paths[bench, method])
+                    records[method].append(make_record(pair_name, bench, method, qid, result, text, context))
+                    records[method][-1].update(prompt_ids=ids, run_key=keys[method])
+                bar.update(1)
+            reference = {r["question_id"]: r["tokens"] for r in records["ar"]}
+            for method in fresh:
+                if method != "ar" and sampling.greedy:
+                    for r in records[method]:
+                        ref = reference[r["question_id"]]
+                        if r["tokens"] != ref and target_fp32 is None:
+                            target_fp32 = load_model(pair.spec.target, "float32", p.device, cfg.paths.models_dir)
+                        rep = compare_outputs(ref, r["tokens"], r["prompt_ids"], target_fp32, float(e.tie_tolerance))
+                        r["matches_ar"], r["mismatch_explained"] = rep.equal, rep.explained_by_tie
+                _write_records(records[method], paths[bench, method])
+        bar.close()
         del pair, decoders
     # the summary covers every record in the folder, so the jobs of a sweep aggregate into one table
     summary = summarize_records(read_records(out_dir))
