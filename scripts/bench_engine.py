@@ -5,6 +5,9 @@ Run:
     python scripts/bench_engine.py pair=smollm2-135m__self runtime=float32 'methods=[ar,all_small]'
     python scripts/bench_engine.py pair=tiny-random prompts_per_benchmark=1 max_new_tokens=16 max_prompt_tokens=256
 
+A method may carry tree overrides after a colon, so variants run side by side in one process:
+    'methods=[ar,all_mid,"all_mid:shape=paper","all_small:ngram.scoring=target,ngram.copy_len=0"]'
+
 Spec-Bench style, on a shared machine: every method is built and warmed up first (not scored), then
 the methods run *interleaved prompt by prompt* (ar, m1, m2, ..., then the next prompt), so a slow
 patch of the machine lands on every method alike; greedy; speedup = ar's total time / the method's
@@ -19,6 +22,7 @@ with the same settings reuses the prompts already done).
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import random
@@ -99,6 +103,15 @@ def signals_cost_ms(pair, tree: dict, prompts, max_new_tokens: int, cache_dir) -
     turns = [t for _, _, ids in prompts for t in dec.generate(ids, max_new_tokens).turns]
     steps = sum(len(t["schedule"]) for t in turns)
     return 1000 * sum(t.get("schedule_s", 0.0) for t in turns) / max(steps, 1)
+
+
+def variant_tree(tree: dict, method: str) -> dict:
+    """The tree settings of ``method``, or of ``"<method>:key=value,key=value"`` (dotted keys, YAML values)."""
+    if ":" not in method:
+        return tree
+    overrides = method.split(":", 1)[1].split(",")
+    merged = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(overrides))
+    return OmegaConf.to_container(merged, resolve=True)
 
 
 def summarize(method: str, results: list, ar_results: list | None, reports: list, prompts) -> dict:
@@ -221,7 +234,8 @@ def main(cfg: DictConfig) -> None:
     console.print(f"{len(prompts)} prompts x {cfg.max_new_tokens} new tokens, runtime {pair.runtime}, "
                   f"pair {cfg.pair.name}, methods interleaved prompt by prompt: {', '.join(methods)}")
 
-    decoders = {m: build_decoder(m, pair, tree, cache_dir=cfg.paths.cache_dir) for m in methods}
+    decoders = {m: build_decoder(m.split(":")[0], pair, variant_tree(tree, m), cache_dir=cfg.paths.cache_dir)
+                for m in methods}
     for method, dec in decoders.items():  # every warm-up (and budget=auto's curve) before any timing
         dec.generate(prompts[0][2], 8)
     prompt_hash = hashlib.sha256(json.dumps([ids for _, _, ids in prompts]).encode()).hexdigest()[:16]
@@ -272,8 +286,6 @@ def main(cfg: DictConfig) -> None:
                                                                                values="speedup")
     console.print(per_bench[list(cfg.benchmarks)].round(2).to_string())
 
-    if cfg.runtimes:
-        runtime_table(cfg, prompts, console, out_dir)
     long_ctx = [t for _, _, ids in prompts for t in ids]
     while len(long_ctx) < cfg.ngram_context:
         long_ctx = long_ctx + long_ctx
@@ -282,6 +294,10 @@ def main(cfg: DictConfig) -> None:
     if pair.middle is not None and "fixed" in methods:
         ms = signals_cost_ms(pair, tree, prompts[:2], min(cfg.max_new_tokens, 16), cfg.paths.cache_dir)
         console.print(f"scheduler state with all tree signals: {ms:.3f} ms per step (fixed schedule, real trees)")
+    if cfg.runtimes:  # one target at a time: free the pair first
+        del decoders, pair, target_fp32
+        gc.collect()
+        runtime_table(cfg, prompts, console, out_dir)
 
 
 if __name__ == "__main__":

@@ -134,34 +134,50 @@ def test_prune_order_is_what_each_budget_keeps():
 
 
 def test_acceptance_model_learns_from_verified_and_known_nodes():
-    tree = _chain_tree()
-    model = AcceptanceModel(max_rank=8, prior_weight=0.0)
+    tree = _chain_tree()  # cum: a -0.1, x -1.0, b -0.3, y -2.1, c -0.6
+    model = AcceptanceModel(prior_weight=0.0)
+    bin_of = model.bin_of
+    assert [bin_of(c) for c in (0.0, -0.1, -0.3, -0.6, -1.0, -2.1, -20.0, -float("inf"))] == [0, 1, 2, 3, 5, 7, 11, 12]
     # target path: a, b, then bonus token 9 (c rejected); only a, b verified (budget 2)
     model.update(tree, prune_order(tree), kept={1, 3}, accepted=[1, 3], emitted=[1, 3, 9], greedy=True)
-    assert model.hits[1:6] == [1.0, 1.0, 0.0, 0.0, 0.0]  # c: known miss (its depth is within the emitted)
-    assert model.seen[1:9] == [1.0] * 8  # ranks the tree did not reach count as misses
+    assert (model.hits[1], model.seen[1]) == (1.0, 1.0)  # a, verified and accepted
+    assert (model.hits[2], model.seen[2]) == (1.0, 1.0)  # b
+    assert (model.hits[3], model.seen[3]) == (0.0, 1.0)  # c: a known miss (its depth is within the emitted tokens)
+    assert (model.hits[5], model.seen[5]) == (0.0, 1.0)  # x: a known miss at depth 1
     # a node extending the emitted path beyond the bonus counts with the continuation rate
     model.update(tree, prune_order(tree), kept={1}, accepted=[1], emitted=[1, 3], greedy=True)
-    assert 0 < model.hits[3] - 0.0 < 1  # c = (1, 3, 5) extends (1, 3): unknown, fractional
-    sampled = AcceptanceModel(max_rank=8, prior_weight=0.0)
+    assert 0 < model.hits[3] < 1 and model.seen[3] == 2.0  # c = (1, 3, 5) extends (1, 3): unknown, fractional
+    sampled = AcceptanceModel(prior_weight=0.0)
     sampled.update(tree, prune_order(tree), kept={1}, accepted=[1], emitted=[1, 7], greedy=False)
-    assert sampled.seen[2] == 0.0  # unverified nodes teach nothing under sampling
+    assert sum(sampled.seen) == 1.0  # unverified nodes teach nothing under sampling
+    table = model.table()
+    assert all(a >= b for a, b in zip(table, table[1:]))  # a lower score is never more likely accepted
+
+
+def _chain(depth: int, edge: float) -> DraftTree:
+    tree = DraftTree.with_root(0)
+    node = 0
+    for i in range(depth):
+        node = tree.add_child(node, 10 + i, edge, SMALL, 1)
+    return tree
 
 
 def test_budget_planner_follows_curve_and_acceptance():
-    flat = {1: 1.0, 2: 1.0, 4: 1.0, 8: 1.01, 16: 1.02, 32: 1.05, 64: 1.1}
+    flat = {1: 1.0, 2: 1.005, 4: 1.01, 8: 1.02, 16: 1.03, 32: 1.05, 64: 1.1}
     steep = {n: float(n) for n in (1, 2, 4, 8, 16, 32, 64)}  # every verified row costs a whole step
-    good = AcceptanceModel(max_rank=63, prior_weight=0.0)
-    good.hits = [0.0] + [0.9 ** k for k in range(1, 64)]
-    good.seen = [1.0] * 64
-    assert BudgetPlanner(flat, 63, good, draft_s=0.1).choose() >= 30  # verification is nearly free: verify a lot
-    assert BudgetPlanner(steep, 63, good, draft_s=0.1).choose() == 0  # no draft can pay for its row
-    bad = AcceptanceModel(max_rank=63, prior_weight=0.0)
-    bad.seen = [1.0] * 64
-    assert BudgetPlanner(flat, 63, bad, draft_s=0.1).choose() == 0  # drafts never accepted: plain decoding
-    planner = BudgetPlanner(steep, 63, bad)
+    confident = _chain(40, -0.01)  # a long chain the calibration believes (prior exp(cum) ~ 1)
+    assert BudgetPlanner(flat, 63, draft_s=0.1).choose(confident) == 40  # nearly free rows: verify the chain whole
+    assert BudgetPlanner(steep, 63, draft_s=0.0).choose(confident) == 0  # no draft can pay for its row
+    hopeless = _chain(40, -6.0)
+    assert BudgetPlanner(flat, 63, draft_s=0.1).choose(hopeless) == 0  # drafts never accepted: plain decoding
+    learned = AcceptanceModel(prior_weight=0.0)
+    learned.hits = [0.0] * len(learned.hits)
+    learned.seen = [1.0] * len(learned.seen)  # every bin observed, never accepted
+    assert BudgetPlanner(flat, 63, learned, draft_s=0.1).choose(confident) == 0  # the data overrules the scores
+    planner = BudgetPlanner(steep, 63)
     planner.observe(1, verify_s=4.0, other_s=0.5)  # verification twice as slow as the curve says
     assert planner.verify_scale > 1.0 and planner.draft_s == 0.5
+    assert planner.planning_budget() >= 4
 
 
 def test_budget_auto_plans_every_turn(tiny_pair, tmp_path):
@@ -173,7 +189,7 @@ def test_budget_auto_plans_every_turn(tiny_pair, tmp_path):
     assert (tmp_path / "verify_curves.json").is_file()
     assert all(0 <= t["budget"] <= 63 for t in res.turns)
     # the same model as middle drafter: chains are accepted whole, and the planner learns it
-    assert dec.planner.acceptance.p(1) > 0.5
+    assert max(t["budget"] for t in res.turns) >= 3 and dec.planner.acceptance.p(-0.05) > 0.5
     assert res.tokens == AutoregressiveDecoder(tiny_pair.target, set()).generate(ids, 40).tokens
 
 

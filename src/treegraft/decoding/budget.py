@@ -110,7 +110,8 @@ class AcceptanceModel:
         """The calibrated probability of every bin (best scores first)."""
         out, best = [], 1.0
         for hits, seen, prior in zip(self.hits, self.seen, self._priors()):
-            p = (hits + self.prior_weight * prior) / (seen + self.prior_weight)
+            weight = seen + self.prior_weight
+            p = (hits + self.prior_weight * prior) / weight if weight > 0 else prior
             best = min(best, p)
             out.append(best)
         return out

@@ -220,6 +220,7 @@ class TreeGraftDecoder:
         self._small_kinds: dict[int, tuple] = {}  # this turn's n-gram nodes -> their kind (the drafter learns rates)
         self._budget: int | None = None if self.cfg.budget == "auto" else int(self.cfg.budget)
         self.planner: BudgetPlanner | None = None
+        self._prefill_head: SubsetHead | None = None  # ngram.prefill_vocab's restricted head of the target
         self._al_mean = 0.0  # running mean of AL: how many likely-path rows verification prefetches
         self.scheduler: Scheduler = scheduler or FixedScheduler(self.cfg.actions())
         # runtime context of the scheduler state (ms per target verification / middle forward),
@@ -301,10 +302,13 @@ class TreeGraftDecoder:
             hidden = forward_hidden(self.target, self.cache, toks, torch.arange(len(ctx), device=self.device), None)
             head = None
             if self.cfg.ngram.prefill_vocab:
-                weight = head_weight(self.target)
-                subset = VocabSubset(self._frequent(int(self.cfg.ngram.prefill_vocab), weight.shape[0]), weight.shape[0])
-                subset.add(prompt_ids)
-                head = SubsetHead(weight, subset, logit_softcap(self.target))
+                if self._prefill_head is None:  # the frequent tokens' rows, gathered once per decoder
+                    weight = head_weight(self.target)
+                    base = self._frequent(int(self.cfg.ngram.prefill_vocab), weight.shape[0])
+                    self._prefill_head = SubsetHead(weight, VocabSubset(base, weight.shape[0]), logit_softcap(self.target))
+                head = self._prefill_head
+                head.truncate(min(int(self.cfg.ngram.prefill_vocab), head_weight(self.target).shape[0]))
+                head.add(prompt_ids)
             ids, lps = [], []
             for chunk in hidden.split(64):  # bounded memory: [64, V] logits at a time
                 if head is None:

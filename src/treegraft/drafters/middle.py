@@ -80,10 +80,11 @@ class MiddleDrafter:
         self.pending = list(prompt_ids[:-1])
         self.slot_of, self.logprobs, self.hidden = {}, {}, {}
         if self.draft_vocab is not None:
-            vocab_size = head_weight(self.model).shape[0]
-            subset = VocabSubset(self.draft_vocab, vocab_size)
-            subset.add(prompt_ids)
-            self.head = SubsetHead(head_weight(self.model), subset, logit_softcap(self.model))
+            if self.head is None:
+                weight = head_weight(self.model)
+                self.head = SubsetHead(weight, VocabSubset(self.draft_vocab, weight.shape[0]), logit_softcap(self.model))
+            self.head.truncate(len(self.draft_vocab))
+            self.head.add(prompt_ids)
         if encode and self.pending:
             start = time.perf_counter()
             with torch.inference_mode():

@@ -92,6 +92,11 @@ class VocabSubset:
             self.ids = torch.cat([self.ids, new_ids])
         return new_ids.tolist()
 
+    def truncate(self, n: int) -> None:
+        """Keep the first ``n`` ids (drop what was added after them)."""
+        self.pos_of[self.ids[n:]] = -1
+        self.ids = self.ids[:n]
+
     def __len__(self) -> int:
         return len(self.ids)
 
@@ -114,6 +119,12 @@ class SubsetHead:
         if new:
             extra = self.weight.index_select(0, torch.tensor(new, device=self.weight.device)).float()
             self.rows = torch.cat([self.rows, extra])
+
+    def truncate(self, n: int) -> None:
+        """Back to the first ``n`` ids (e.g. the frequent base vocabulary, before a new prompt's tokens
+        are added): the base rows are gathered once per decoder, not once per prompt."""
+        self.subset.truncate(n)
+        self.rows = self.rows[:n]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         out = torch.nn.functional.linear(hidden.float(), self.rows)
