@@ -322,3 +322,35 @@ def test_pair_overrides_size_collect_per_pair():
     p.pair_overrides.slow = {"max_new_tokens": 8}
     with pytest.raises(ValueError, match=r"sets \['max_new_tokens'\]"):
         pair_settings(p, "slow")
+
+
+def test_evaluate_with_two_forked_workers_and_ablations_on_fewer_prompts(smoke, tmp_path):
+    import shutil
+
+    _, out, _, _, _ = smoke
+    for stage in ("fit", "distill"):
+        shutil.copytree(out / "pipeline" / "smoke" / stage, tmp_path / "pipeline" / "smoke" / stage)
+    overrides = ["experiment=smoke", f"paths.output_dir={tmp_path}", "evaluation.prompts_per_benchmark=2",
+                 "evaluation.ablation_prompts=1", "evaluation.methods=[ar,all_small,fixed,treegraft]",
+                 "evaluation.ablations=[fixed]"]
+    summary = run_evaluate(compose("evaluate", [*overrides, "pipeline.workers=2"]))
+    records = read_records(tmp_path / "pipeline" / "smoke" / "evaluate")
+    per = records.groupby(["benchmark", "method"]).size().unstack()
+    assert (per["ar"] == 2).all() and (per["treegraft"] == 2).all() and (per["fixed"] == 1).all()
+    assert int(summary["mismatches"].sum()) == 0
+    assert records["runtime"].notna().all() and records["cpu"].notna().all() and records["tree_shape"].notna().all()
+    # the ablation's speedup is against ar on its own prompt only
+    fixed = summary[summary["method"] == "fixed"].set_index("benchmark")["speedup"]
+    for bench, speedup in fixed.items():
+        g = records[records["benchmark"] == bench]
+        qid = g[g["method"] == "fixed"]["question_id"].iloc[0]
+        ar_t = g[(g["method"] == "ar") & (g["question_id"] == qid)]["wall_time"].sum()
+        assert speedup == pytest.approx(ar_t / g[g["method"] == "fixed"]["wall_time"].sum())
+    # one worker gives the same outputs
+    single = tmp_path / "single"
+    for stage in ("fit", "distill"):
+        shutil.copytree(out / "pipeline" / "smoke" / stage, single / "pipeline" / "smoke" / stage)
+    run_evaluate(compose("evaluate", [o.replace(str(tmp_path), str(single)) for o in overrides]))
+    one = read_records(single / "pipeline" / "smoke" / "evaluate").set_index(["benchmark", "method", "question_id"])
+    two = records.set_index(["benchmark", "method", "question_id"])
+    assert sorted(one.index) == sorted(two.index)

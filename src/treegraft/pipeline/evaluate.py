@@ -35,9 +35,11 @@ from ..models import load_model, load_pair, load_tokenizer
 from ..models.runtime import effective_runtime
 from .artifacts import atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
 from .common import pair_spec, print_table, stage_prompts
+from .parallel import fork_map, split_jobs
 from .tracking import stage_logger
 
-__all__ = ["run_evaluate", "make_record", "summarize_records", "read_records", "eval_pairs", "run_key"]
+__all__ = ["run_evaluate", "make_record", "summarize_records", "read_records", "eval_pairs", "run_key", "method_prompts",
+           "evaluation_units"]
 
 
 def eval_pairs(cfg: DictConfig) -> list[str]:
@@ -96,6 +98,8 @@ def read_records(eval_dir: Path) -> pd.DataFrame:
                 "accepted_sum": sum(r["accepted"]), "middle_calls": r["middle_calls"], "steps": r["steps"],
                 **{f"t_{k}": v for k, v in r["time_split"].items()},
                 "matches_ar": r.get("matches_ar"), "mismatch_explained": r.get("mismatch_explained"),
+                "mean_budget": r.get("mean_budget"), "runtime": r.get("runtime"), "tree_shape": r.get("tree_shape"),
+                "cpu": r.get("cpu"), "cpu_capability": r.get("cpu_capability"),
             })
     if not rows:
         raise FileNotFoundError(f"no evaluation records under {eval_dir}")
@@ -107,9 +111,11 @@ def summarize_records(records: pd.DataFrame) -> pd.DataFrame:
     prompts), tokens/s, mean AL, tau (tokens per turn), call rate, time split, mismatch counts."""
     out = []
     for (pair, bench), g in records.groupby(["pair", "benchmark"], sort=False):
-        ar = g[g["method"] == "ar"]
-        ar_wall = ar["wall_time"].sum() if not ar.empty else float("nan")
+        ar = g[g["method"] == "ar"].set_index("question_id")["wall_time"]
         for method, m in g.groupby("method", sort=False):
+            # ar's time on the same prompts (an ablation may run on a subset)
+            same = m["question_id"].isin(ar.index)
+            ar_wall = float(ar.loc[m.loc[same, "question_id"]].sum()) if same.all() and len(ar) else float("nan")
             turns = m["turns"].sum()
             spent = sum(m[f"t_{k}"].sum() for k in ("small_s", "middle_s", "verify_s", "other_s"))
             row = {
@@ -120,6 +126,9 @@ def summarize_records(records: pd.DataFrame) -> pd.DataFrame:
                 "mean_al": float(m["accepted_sum"].sum() / turns) if turns else float("nan"),
                 "tau": float(m["new_tokens"].sum() / turns) if turns else float("nan"),
                 "call_rate": float(m["middle_calls"].sum() / m["steps"].sum()) if m["steps"].sum() else float("nan"),
+                "mean_budget": float(m["mean_budget"].mean()) if m["mean_budget"].notna().any() else float("nan"),
+                "runtime": m["runtime"].iloc[0], "tree_shape": m["tree_shape"].iloc[0], "cpu": m["cpu"].iloc[0],
+                "cpu_capability": m["cpu_capability"].iloc[0],
                 "mismatches": int((m["matches_ar"] == False).sum()),  # noqa: E712 (None = not compared)
                 "mismatches_unexplained": int(((m["matches_ar"] == False) & (m["mismatch_explained"] != True)).sum()),  # noqa: E712
             }
@@ -159,17 +168,73 @@ def _saved_records(path: Path, key: str, prompts: list[tuple[int, list[int]]]) -
     return records if same_prompts and all(r.get("run_key") == key for r in records) else None
 
 
-def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
+def method_prompts(cfg: DictConfig, method: str, prompts: list) -> list:
+    """The prompts a method is evaluated on: all, or for an ablation with ``evaluation.ablation_prompts``
+    = k, the first k of each benchmark (``ar`` runs on every prompt, so each has its reference)."""
+    e = cfg.evaluation
+    if e.get("ablation_prompts") is not None and method in (e.get("ablations") or []):
+        return prompts[: int(e.ablation_prompts)]
+    return prompts
+
+
+def evaluation_units(cfg: DictConfig, prompts: dict[str, list], methods: list[str]) -> int:
+    """(prompt, method) generations of one pair (the unit of the progress bar)."""
+    return sum(len(method_prompts(cfg, m, prompts[b])) for b in prompts for m in methods)
+
+
+def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], prompts, saved, paths, keys, methods,
+                         schedulers, sampling, progress) -> None:
+    """One worker's share: build and warm up every decoder it needs, then for each benchmark run the
+    missing methods interleaved prompt by prompt, compare with ``ar`` and write the records."""
+    p, e = cfg.pipeline, cfg.evaluation
+    tree = OmegaConf.to_container(cfg.tree, resolve=True)
+    context = {"runtime": pair.runtime, "tree_shape": cfg.tree.shape, "budget_setting": str(cfg.tree.budget),
+               **cpu_info()}
+    target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
+    todo = [m for m in methods if any(saved[b, m] is None for b in benchmarks)]
+    warm_ids = prompts[benchmarks[0]][0][1]
+    decoders = {}
+    for method in todo:  # every warm-up before any timing
+        dec = build_decoder(method, pair, tree, sampling, schedulers.get(method), cfg.paths.cache_dir)
+        if isinstance(dec, TreeGraftDecoder) and dec.middle is not None:
+            dec.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context + warm-up, not scored
+        else:
+            dec.generate(warm_ids, int(p.warmup_tokens))  # warm-up, not scored
+        decoders[method] = dec
+    for bench in benchmarks:
+        fresh = [m for m in methods if saved[bench, m] is None]
+        records = {m: saved[bench, m] for m in methods if m not in fresh}
+        records.update({m: [] for m in fresh})
+        for i, (qid, ids) in enumerate(prompts[bench]):  # methods interleaved prompt by prompt: drift hits all alike
+            for method in fresh:
+                if i >= len(method_prompts(cfg, method, prompts[bench])):
+                    continue
+                result = decoders[method].generate(ids, int(e.max_new_tokens))
+                text = pair.tokenizer.decode(result.tokens, skip_special_tokens=True)
+                records[method].append(make_record(pair_name, bench, method, qid, result, text, context))
+                records[method][-1].update(prompt_ids=ids, run_key=keys[method])
+                progress(1)
+        reference = {r["question_id"]: r["tokens"] for r in records["ar"]}
+        for method in fresh:
+            if method != "ar" and sampling.greedy:
+                for r in records[method]:
+                    ref = reference[r["question_id"]]
+                    if r["tokens"] != ref and target_fp32 is None:
+                        target_fp32 = load_model(pair.spec.target, "float32", p.device, cfg.paths.models_dir)
+                    rep = compare_outputs(ref, r["tokens"], r["prompt_ids"], target_fp32, float(e.tie_tolerance))
+                    r["matches_ar"], r["mismatch_explained"] = rep.equal, rep.explained_by_tie
+            _write_records(records[method], paths[bench, method])
+
+
+def run_evaluate(cfg: DictConfig, progress=None) -> pd.DataFrame:
+    """``progress(n)``: advance an outer progress bar by n (prompt, method) generations (else one bar here)."""
     console = Console(width=200, stderr=True)
     p, e = cfg.pipeline, cfg.evaluation
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "evaluate")
     artifacts = stage_dir(cfg.paths.output_dir, p.name, "distill").parent
-    tree = OmegaConf.to_container(cfg.tree, resolve=True)
     sampling = SamplingConfig(temperature=float(e.temperature), top_p=float(e.top_p), seed=int(e.seed))
     methods = list(e.methods)
-    if "ar" not in methods:
-        methods = ["ar", *methods]  # the reference of speedup and equality
-    methods = ["ar"] + [m for m in methods if m != "ar"]
+    methods = ["ar"] + [m for m in methods if m != "ar"]  # ar: the reference of speedup and equality
     benchmarks = [cfg.data.name] if cfg.get("data") else list(e.benchmarks)
     offset = int(e.prompt_offset) if e.prompt_offset is not None else int(p.prompt_offset) + int(p.prompts_per_benchmark)
     schedulers = {m: load_learned_scheduler(m, artifacts) for m in methods if m in LEARNED_METHODS}
@@ -180,51 +245,28 @@ def run_evaluate(cfg: DictConfig) -> pd.DataFrame:
         spec = pair_spec(pair_name)
         tokenizer = load_tokenizer(spec.target, cfg.paths.models_dir)  # prompts without loading the models
         prompts = {b: stage_prompts(cfg, tokenizer, b, int(e.prompts_per_benchmark), offset) for b in benchmarks}
-        saved = {(b, m): _saved_records(paths[b, m], keys[m], prompts[b]) for b, m in jobs}  # done before an interruption
-        todo = [m for m in methods if any(saved[b, m] is None for b in benchmarks)]
-        if not todo:
+        # done before an interruption
+        saved = {(b, m): _saved_records(paths[b, m], keys[m], method_prompts(cfg, m, prompts[b])) for b, m in jobs}
+        todo_benches = [b for b in benchmarks if any(saved[b, m] is None for m in methods)]
+        if not todo_benches:
             console.print(f"{pair_name}: every record is saved and up to date")
             continue
         pair = load_pair(spec, device=p.device, models_dir=cfg.paths.models_dir,
                          runtime=effective_runtime(cfg.runtime, p.dtype), cache_dir=cfg.paths.cache_dir,
                          log=console.print)
-        target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
-        context = {"runtime": pair.runtime, "tree_shape": cfg.tree.shape, "budget_setting": str(cfg.tree.budget),
-                   **cpu_info()}
-        warm_ids = next(iter(prompts.values()))[0][1]
-        decoders = {}
-        for method in todo:  # every warm-up before any timing
-            dec = build_decoder(method, pair, tree, sampling, schedulers.get(method), cfg.paths.cache_dir)
-            if isinstance(dec, TreeGraftDecoder) and dec.middle is not None:
-                dec.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context + warm-up, not scored
-            else:
-                dec.generate(warm_ids, int(p.warmup_tokens))  # warm-up, not scored
-            decoders[method] = dec
-        bar = tqdm(total=sum(len(prompts[b]) for b in benchmarks), desc=f"evaluate {pair_name} (prompts, every method)",
-                   file=sys.stderr)
-        for bench in benchmarks:
-            fresh = [m for m in methods if saved[bench, m] is None]
-            records = {m: saved[bench, m] for m in methods if m not in fresh}
-            records.update({m: [] for m in fresh})
-            for qid, ids in prompts[bench]:  # the methods interleaved prompt by prompt: machine drift hits all alike
-                for method in fresh:
-                    result = decoders[method].generate(ids, int(e.max_new_tokens))
-                    text = pair.tokenizer.decode(result.tokens, skip_special_tokens=True)
-                    records[method].append(make_record(pair_name, bench, method, qid, result, text, context))
-                    records[method][-1].update(prompt_ids=ids, run_key=keys[method])
-                bar.update(1)
-            reference = {r["question_id"]: r["tokens"] for r in records["ar"]}
-            for method in fresh:
-                if method != "ar" and sampling.greedy:
-                    for r in records[method]:
-                        ref = reference[r["question_id"]]
-                        if r["tokens"] != ref and target_fp32 is None:
-                            target_fp32 = load_model(pair.spec.target, "float32", p.device, cfg.paths.models_dir)
-                        rep = compare_outputs(ref, r["tokens"], r["prompt_ids"], target_fp32, float(e.tie_tolerance))
-                        r["matches_ar"], r["mismatch_explained"] = rep.equal, rep.explained_by_tie
-                _write_records(records[method], paths[bench, method])
-        bar.close()
-        del pair, decoders
+        units = {b: sum(len(method_prompts(cfg, m, prompts[b])) for m in methods if saved[b, m] is None)
+                 for b in todo_benches}
+        cost = {b: units[b] * (1 + sum(len(ids) for _, ids in prompts[b]) / 1000) for b in todo_benches}
+        groups = split_jobs(todo_benches, [cost[b] for b in todo_benches], int(p.workers))
+        bar = None
+        if progress is None:
+            bar = tqdm(total=sum(units.values()), desc=f"evaluate {pair_name} ({len(groups)} worker(s))", file=sys.stderr)
+        fork_map(lambda group, report: _evaluate_benchmarks(cfg, pair, pair_name, group, prompts, saved, paths, keys,
+                                                            methods, schedulers, sampling, report),
+                 groups, progress or bar.update)
+        if bar is not None:
+            bar.close()
+        del pair
     # the summary covers every record in the folder, so the jobs of a sweep aggregate into one table
     summary = summarize_records(read_records(out_dir))
     atomic_write_parquet(summary, out_dir / "summary.parquet")

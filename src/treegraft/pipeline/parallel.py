@@ -1,0 +1,79 @@
+"""Independent jobs on both cores, sharing the models loaded once (fork after loading).
+
+A stage loads a pair once in the parent process, then forks one worker per group of jobs (one thread
+each, as every measurement here runs). Forked workers share the parent's weight memory copy-on-write,
+and the packed weights are never written, so two workers cost the memory of one pair (a 1.5B pair in
+``float32_packed`` is ~17 GB: two copies would not fit a 24 GB machine). Each worker builds its own
+decoders (their KV caches are per process) and writes its own artifact files; progress comes back to
+the parent through a queue, so one progress bar covers every worker.
+
+Both workers run at once, so their forwards share the memory bus: every method of a pair is measured
+under the same contention (methods are interleaved prompt by prompt inside each worker), which keeps
+speedups comparable; absolute tokens/s are those of a loaded machine.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import traceback
+from typing import Callable, Sequence
+
+__all__ = ["fork_map", "split_jobs"]
+
+
+def split_jobs(jobs: Sequence, weights: Sequence[float], groups: int) -> list[list]:
+    """Split ``jobs`` into ``groups`` lists of similar total weight (longest first, onto the lightest)."""
+    groups = max(1, min(groups, len(jobs)))
+    out: list[list] = [[] for _ in range(groups)]
+    load = [0.0] * groups
+    for job, w in sorted(zip(jobs, weights), key=lambda jw: -jw[1]):
+        i = load.index(min(load))
+        out[i].append(job)
+        load[i] += w
+    return [g for g in out if g]
+
+
+def _worker(fn: Callable, group: list, q) -> None:
+    try:
+        fn(group, lambda n=1: q.put(("progress", n)))
+        q.put(("done", None))
+    except BaseException:  # report, never hang the parent
+        q.put(("error", traceback.format_exc()))
+
+
+def fork_map(fn: Callable[[list, Callable[[int], None]], None], groups: list[list],
+             progress: Callable[[int], None] | None = None) -> None:
+    """Run ``fn(group, report)`` for every group: in this process when there is one group, else one forked
+    worker per group. ``report(n)`` advances ``progress`` by n units. A worker's exception is raised here
+    (with its traceback) once every worker has stopped."""
+    progress = progress or (lambda n: None)
+    if len(groups) <= 1:
+        for group in groups:
+            fn(group, progress)
+        return
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(fn, group, q), daemon=True) for group in groups]
+    for p in procs:
+        p.start()
+    running, errors = len(procs), []
+    while running:
+        try:
+            kind, value = q.get(timeout=5.0)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):  # a worker died without a word (killed, OOM)
+                codes = [p.exitcode for p in procs]
+                errors.append(f"a worker stopped without reporting (exit codes {codes})")
+                break
+            continue
+        if kind == "progress":
+            progress(value)
+        else:
+            running -= 1
+            if kind == "error":
+                errors.append(value)
+    for p in procs:
+        p.join(timeout=30)
+    if errors:
+        raise RuntimeError("a parallel worker failed:\n" + "\n".join(errors))
