@@ -354,3 +354,14 @@ def test_evaluate_with_two_forked_workers_and_ablations_on_fewer_prompts(smoke, 
     one = read_records(single / "pipeline" / "smoke" / "evaluate").set_index(["benchmark", "method", "question_id"])
     two = records.set_index(["benchmark", "method", "question_id"])
     assert sorted(one.index) == sorted(two.index)
+
+
+def test_collect_with_two_forked_workers_writes_the_same_shards(smoke, tmp_path):
+    cfg, out, _, _, _ = smoke
+    run_collect(compose("collect", ["experiment=smoke", f"paths.output_dir={tmp_path}", "pipeline.workers=2"]))
+    one = sorted((out / "pipeline" / "smoke" / "collect" / "tiny-random").glob("*/q*.parquet"))
+    two = sorted((tmp_path / "pipeline" / "smoke" / "collect" / "tiny-random").glob("*/q*.parquet"))
+    assert [p.relative_to(out) for p in one] == [p.relative_to(tmp_path) for p in two]
+    for a, b in zip(one, two):
+        da, db = pd.read_parquet(a), pd.read_parquet(b)
+        assert len(da) == len(db) and (da["accepted"].to_numpy() == db["accepted"].to_numpy()).all()

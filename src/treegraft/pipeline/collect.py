@@ -29,6 +29,7 @@ from .enumeration import TurnEnumeration, enumerate_turn
 from ..scheduling.features import state_names, state_vector, suffix_names, suffix_vector
 from ..scheduling.signals import SIGNAL_NAMES
 from .artifacts import MissingArtifactError, atomic_write_json, atomic_write_parquet
+from .parallel import fork_map, split_jobs
 
 __all__ = [
     "decode_with_enumeration",
@@ -213,7 +214,7 @@ def pair_is_collected(cfg, collect_dir: Path, pair: str) -> bool:
                for rec in stage_records(cfg, bench, int(p.prompts_per_benchmark), int(p.prompt_offset)))
 
 
-def _collect_pair(cfg, pair_name: str, collect_dir: Path, console) -> None:
+def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None) -> None:
     """Load a pair, measure its runtime context (runtime.json), then decode and enumerate every prompt
     not collected yet, one shard per prompt."""
     import sys
@@ -239,22 +240,31 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console) -> None:
     from ..decoding.budget import cached_verify_curve
 
     curve = cached_verify_curve(pair.target, cfg.paths.cache_dir)  # the report's figure, and budget=auto's
-    atomic_write_json({"pair": pair_name, "runtime": pair.runtime, **cpu_info(), "budget": budget, "t_tgt_ms": t_tgt, "t_mid_ms": t_mid,
-                       "verify_curve": curve}, collect_dir / pair_name / "runtime.json")
-    console.print(f"[bold]{pair_name}[/]: B_ver={budget}, t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")
+    atomic_write_json({"pair": pair_name, "runtime": pair.runtime, **cpu_info(), "budget": budget,
+                       "budget_setting": str(cfg.tree.budget), "tree_shape": cfg.tree.shape,
+                       "t_tgt_ms": t_tgt, "t_mid_ms": t_mid, "verify_curve": curve},
+                      collect_dir / pair_name / "runtime.json")
+    console.print(f"[bold]{pair_name}[/]: runtime {pair.runtime}, planned B_ver={budget} ({cfg.tree.budget}), "
+                  f"t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")
     jobs = [(b, qid, ids) for b, items in prompts.items() for qid, ids in items]
-    done = 0
-    for bench, qid, ids in tqdm(jobs, desc=f"collect {pair_name}", file=sys.stderr):
-        path = shard_path(collect_dir, pair_name, bench, qid)
-        if path.exists():  # finished before an interruption
-            done += 1
-            continue
-        meta = {"pair": pair_name, "benchmark": bench, "report": f"{pair_name}/{bench}", "question_id": qid}
-        rows = run_prompt(decoder, ids, pp, meta)
-        if rows:
-            atomic_write_parquet(pd.DataFrame(rows), path)
-    if done:
-        console.print(f"{pair_name}: {done} prompt(s) already collected, skipped")
+    todo = [job for job in jobs if not shard_path(collect_dir, pair_name, job[0], job[1]).exists()]
+    if len(todo) < len(jobs):  # finished before an interruption
+        console.print(f"{pair_name}: {len(jobs) - len(todo)} prompt(s) already collected, skipped")
+
+    def collect_prompts(group, report) -> None:  # one worker's prompts (a forked copy of the decoder)
+        for bench, qid, ids in group:
+            meta = {"pair": pair_name, "benchmark": bench, "report": f"{pair_name}/{bench}", "question_id": qid}
+            rows = run_prompt(decoder, ids, pp, meta)
+            if rows:
+                atomic_write_parquet(pd.DataFrame(rows), shard_path(collect_dir, pair_name, bench, qid))
+            report(1)
+
+    groups = split_jobs(todo, [len(ids) + 4 * int(pp.max_new_tokens) for _, _, ids in todo], int(p.workers))
+    bar = None if progress is not None else tqdm(total=len(todo), desc=f"collect {pair_name} ({len(groups)} worker(s))",
+                                                 file=sys.stderr)
+    fork_map(collect_prompts, groups, progress or bar.update)
+    if bar is not None:
+        bar.close()
 
 
 def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict) -> list[dict]:
@@ -275,8 +285,9 @@ def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict
     return rows
 
 
-def run_collect(cfg) -> pd.DataFrame:
-    """The `collect` stage for every pair of ``cfg.pipeline.pairs``; returns the summary table."""
+def run_collect(cfg, progress=None) -> pd.DataFrame:
+    """The `collect` stage for every pair of ``cfg.pipeline.pairs``; returns the summary table.
+    ``progress(n)``: advance an outer progress bar by n prompts (else one bar per pair here)."""
     from rich.console import Console
 
     from .artifacts import record_stage, stage_dir
@@ -292,7 +303,7 @@ def run_collect(cfg) -> pd.DataFrame:
         if collected:
             console.print(f"{pair_name}: every prompt already collected, skipped (no model loaded)")
         else:
-            _collect_pair(cfg, pair_name, out_dir, console)
+            _collect_pair(cfg, pair_name, out_dir, console, progress)
         pair_rows = load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name)
         if not collected:
             atomic_write_json(fit_cost_model(pair_rows), out_dir / pair_name / "cost_model.json")
