@@ -34,9 +34,9 @@ help: ## list the targets
 # `make all` runs the whole pipeline on the embedded models with this experiment (conf/experiment/cpu.yaml).
 ALL_EXPERIMENT ?= cpu
 
-all: ## the whole pipeline on the embedded default: setup, models (all four), collect, fit, distill, evaluate, tables, figures (EXPERIMENT=cpu)
+all: ## the whole pipeline on the embedded models with one progress bar: setup, models, collect, fit, distill, evaluate, tables, figures (EXPERIMENT=cpu)
 	$(MAKE) models MODELS=all
-	$(MAKE) collect fit distill evaluate tables figures EXPERIMENT=$(ALL_EXPERIMENT)
+	$(VPY) scripts/run_all.py experiment=$(ALL_EXPERIMENT)
 
 $(VENV)/.deps: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=<python3.11>"; exit 1; }

@@ -1,0 +1,35 @@
+"""The whole scheduler pipeline with one progress bar and an ETA (what `make all` runs after `make models`).
+
+Run:
+    python scripts/run_all.py experiment=cpu          # make all
+    python scripts/run_all.py experiment=smoke        # the tiny pair, minutes
+
+collect -> fit -> distill -> evaluate -> tables and figures, each the same library call as its own
+entry point (so an interrupted run resumes), every stage composed from its own primary config with the
+same overrides. Prints the wall time of every stage and where the tables and figures are.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hydra import compose, initialize_config_dir
+
+from treegraft.config import CONF_DIR
+from treegraft.errors import MissingArtifactError
+from treegraft.pipeline.run_all import run_all
+
+
+def main(overrides: list[str]) -> int:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfgs = {stage: compose(config_name=stage, overrides=overrides) for stage in ("collect", "fit", "distill", "evaluate")}
+    try:
+        run_all(cfgs)
+    except (MissingArtifactError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
