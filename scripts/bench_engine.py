@@ -123,10 +123,11 @@ def summarize(method: str, results: list, ar_results: list | None, reports: list
         n = sum(t.get(key_n, 0) for t in turns)
         return 1000 * sum(t.get(key_s, 0.0) for t in turns) / n if n else float("nan")
 
-    def mean(key):
-        return statistics.mean(t[key] for t in turns) if turns else float("nan")
+    def mean(key):  # over the turns that report it (the HF peers report AL only)
+        values = [t[key] for t in turns if key in t]
+        return statistics.mean(values) if values else float("nan")
 
-    turn_s = sum(t["turn_s"] for t in turns)
+    turn_s = sum(t.get("turn_s", 0.0) for t in turns)
     steps = sum(len(t.get("schedule", ())) for t in turns)
     row = {
         "method": method,
@@ -136,13 +137,13 @@ def summarize(method: str, results: list, ar_results: list | None, reports: list
         "tokens_per_s": new_tokens / wall if wall else float("nan"),
         "speedup": float("nan"),
         "mean_al": mean("accepted"),
-        "mean_budget": mean("budget") if turns and "budget" in turns[0] else float("nan"),
+        "mean_budget": mean("budget"),
         "mean_tree_nodes": mean("tree_nodes"),
         # middle-drafter forwards per drafting step (steps left out as beyond the budget count as skips)
-        "call_rate": sum(t["middle_calls"] for t in turns) / steps if steps else float("nan"),
+        "call_rate": sum(t.get("middle_calls", 0) for t in turns) / steps if steps else float("nan"),
         "middle_ms_per_call": per_call("middle_s", "middle_calls"),
         "ngram_ms_per_call": per_call("small_propose_s", "small_calls"),
-        "outside_share": sum(t["outside_forward_s"] for t in turns) / turn_s if turn_s else float("nan"),
+        "outside_share": sum(t.get("outside_forward_s", 0.0) for t in turns) / turn_s if turn_s else float("nan"),
         "prefill_s": sum(r.prefill_time_s for r in results),
         "prefill_x_ar": float("nan"),
         "prefill_x_ar_cnndm": float("nan"),

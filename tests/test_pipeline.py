@@ -365,3 +365,35 @@ def test_collect_with_two_forked_workers_writes_the_same_shards(smoke, tmp_path)
     for a, b in zip(one, two):
         da, db = pd.read_parquet(a), pd.read_parquet(b)
         assert len(da) == len(db) and (da["accepted"].to_numpy() == db["accepted"].to_numpy()).all()
+
+
+SPEC_BENCH_TASKS = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities",
+                    "translation", "summarization", "qa", "math_reasoning", "rag"}
+
+
+def test_records_of_every_method_carry_the_fields_spec_bench_reads(smoke):
+    """Spec-Bench's evaluation/speed.py filters by `category` and reads choices[0].new_tokens, wall_time and
+    accept_lengths; evaluation/equal.py reads choices[0].turns. FastChat answers also carry answer_id."""
+    _, out, *_ = smoke
+    files = sorted((out / "pipeline" / "smoke" / "evaluate").glob("*/*/*.jsonl"))
+    methods = {p.stem for p in files}
+    assert {"ar", "treegraft", "hf_assisted", "hf_prompt_lookup", "csd"} <= methods
+    answer_ids = set()
+    for path in files:
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            assert isinstance(rec["category"], str) and rec["category"], (path, rec["category"])
+            bench = path.parent.name
+            if bench in ("gsm8k", "cnndm", "nq"):
+                assert rec["category"] in SPEC_BENCH_TASKS
+            if bench == "mt_bench":
+                assert rec["category"] in SPEC_BENCH_TASKS - {"translation", "summarization", "qa", "math_reasoning", "rag"}
+            choice = rec["choices"][0]
+            assert isinstance(choice["turns"], list) and all(isinstance(t, str) for t in choice["turns"])
+            tokens, times = sum(choice["new_tokens"]), sum(choice["wall_time"])
+            assert tokens > 0 and times > 0
+            lengths = choice["accept_lengths"]  # present for every method, never an empty list
+            assert lengths and all(isinstance(a, int) and a >= 1 for a in lengths)
+            assert sum(lengths) == tokens, (path, lengths)  # tokens per target forward, the bonus included
+            assert rec["answer_id"] not in answer_ids
+            answer_ids.add(rec["answer_id"])

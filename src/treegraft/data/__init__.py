@@ -7,6 +7,7 @@ from treegraft.data.benchmarks import (
     format_prompt,
     load_benchmark,
     read_question_file,
+    spec_bench_category,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "format_prompt",
     "load_benchmark",
     "read_question_file",
+    "spec_bench_category",
 ]

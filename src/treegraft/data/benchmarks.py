@@ -231,3 +231,17 @@ def _leading_bos(tokenizer: Any) -> str:
         return ""
     ids = tokenizer("a").input_ids
     return bos if ids and ids[0] == tokenizer.bos_token_id else ""
+
+
+# Spec-Bench's task names (its evaluation/speed.py filters records by `category`): MT-Bench keeps its
+# own categories (writing, roleplay, ...); the others map to the task Spec-Bench files them under, or,
+# with no such task, to the benchmark's own name (counted in Spec-Bench's "overall").
+SPEC_BENCH_CATEGORY = {"gsm8k": "math_reasoning", "cnndm": "summarization", "nq": "qa", "alpaca": "alpaca",
+                       "humaneval": "humaneval"}
+
+
+def spec_bench_category(benchmark: str, question_category: str) -> str:
+    """The ``category`` of an answer record: see :data:`SPEC_BENCH_CATEGORY`."""
+    if benchmark in SPEC_BENCH_CATEGORY:
+        return SPEC_BENCH_CATEGORY[benchmark]
+    return question_category or benchmark

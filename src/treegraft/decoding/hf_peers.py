@@ -3,6 +3,10 @@
 Both are transformers' own `generate` features, wrapped to return a :class:`GenerationResult`
 so they can be timed and compared with our methods side by side. Greedy only (transformers'
 assisted generation is exact under greedy decoding; with sampling it follows its own rule).
+
+Their tokens per verification step (Spec-Bench's ``accept_lengths``) are read off the target's
+forwards: a pre-hook records where each forward starts (its first position id); a step emits the
+tokens between the start of its forward and the start of the next (the last step: up to the end).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from torch import nn
 from .autoregressive import GenerationResult, prepare_prompt
 from .sampling import SamplingConfig
 
-__all__ = ["HFAssistedDecoder", "HFPromptLookupDecoder"]
+__all__ = ["HFAssistedDecoder", "HFPromptLookupDecoder", "steps_from_starts"]
 
 
 class _HFGenerate:
@@ -39,23 +43,45 @@ class _HFGenerate:
         if not self.sampling.greedy:
             torch.manual_seed(self.sampling.seed)
             sampling = {"do_sample": True, "temperature": self.sampling.temperature, "top_p": self.sampling.top_p}
+        starts: list[int] = []
+
+        def record(_module, _args, kwargs):
+            pos = kwargs.get("position_ids")
+            if pos is not None:
+                starts.append(int(pos.reshape(-1)[0]))
+
+        hook = self.target.register_forward_pre_hook(record, with_kwargs=True)
         start = time.perf_counter()
-        out = self.target.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos_ids or None,
-            pad_token_id=self.eos_ids[0] if self.eos_ids else 0,
-            **sampling,
-            **self._kwargs(),
-        )
+        try:
+            out = self.target.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                eos_token_id=self.eos_ids or None,
+                pad_token_id=self.eos_ids[0] if self.eos_ids else 0,
+                **sampling,
+                **self._kwargs(),
+            )
+        finally:
+            hook.remove()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - start
         tokens = out[0, len(prompt_ids):].tolist()
         stop = "eos" if tokens and tokens[-1] in self.eos_ids else "max_new_tokens"
         return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_ids), wall_time_s=wall,
-                                prefill_time_s=float("nan"), stop_reason=stop)
+                                prefill_time_s=float("nan"), stop_reason=stop,
+                                turns=steps_from_starts(starts, len(prompt_ids), len(tokens)))
+
+
+def steps_from_starts(starts: list[int], prompt_len: int, new_tokens: int) -> list[dict]:
+    """Per verification step ``{"accepted": k}`` (tokens emitted minus the bonus) from the first position
+    of every target forward: the first forward (the prompt, plus candidates) starts at 0 and its step's
+    tokens begin at the prompt's end; the others start where the accepted text ends."""
+    if not starts or new_tokens == 0:
+        return []
+    bounds = [prompt_len - 1] + starts[1:] + [prompt_len + new_tokens - 1]
+    return [{"accepted": max(b - a, 1) - 1} for a, b in zip(bounds, bounds[1:])]
 
 
 class HFAssistedDecoder(_HFGenerate):

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from tqdm.auto import tqdm
 
+from ..data import spec_bench_category
 from ..decoding.equality import compare_outputs
 from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, build_decoder, load_learned_scheduler
 from ..decoding.sampling import SamplingConfig
@@ -34,7 +35,7 @@ from ..machine import cpu_info, cpu_line
 from ..models import load_model, load_pair, load_tokenizer
 from ..models.runtime import effective_runtime
 from .artifacts import atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
-from .common import pair_spec, print_table, stage_prompts
+from .common import pair_spec, print_table, stage_prompts, stage_records
 from .parallel import fork_map, split_jobs
 from .tracking import stage_logger
 
@@ -51,25 +52,33 @@ def eval_pairs(cfg: DictConfig) -> list[str]:
 
 
 def make_record(pair: str, benchmark: str, method: str, question_id: int, result, text: str,
-                context: dict | None = None) -> dict:
+                context: dict | None = None, category: str = "") -> dict:
     """One Spec-Bench/FastChat answer record; ``context``: what it was measured on (runtime, tree
-    shape, CPU line), copied into the record."""
+    shape, CPU line), copied into the record; ``category``: the question file's own category.
+
+    ``accept_lengths`` (tokens per target forward, bonus included) come from the turns of the tree
+    methods and of the HF peers, and are 1 per token for ``ar``; the field is left out where a
+    method reports no steps."""
     turns = result.turns
+    choice = {"index": 0, "turns": [text], "new_tokens": [result.new_tokens], "wall_time": [result.wall_time_s]}
+    if turns:
+        lengths = [t["accepted"] + 1 for t in turns]
+        lengths[-1] -= max(0, sum(lengths) - result.new_tokens)  # the last turn may be cut at EOS / max_new_tokens
+        choice["accept_lengths"] = lengths
+    elif method == "ar":
+        choice["accept_lengths"] = [1] * result.new_tokens
     split = {k: sum(t.get(k, 0.0) for t in turns) for k in ("small_s", "middle_s", "verify_s", "other_s")}
     budgets = [t["budget"] for t in turns if "budget" in t]
+    model_id = f"{pair}/{method}"
     return {
         "question_id": question_id,
-        "model_id": f"{pair}/{method}",
+        "answer_id": hashlib.sha256(f"{model_id}/{benchmark}/{question_id}".encode()).hexdigest()[:22],
+        "model_id": model_id,
+        "category": spec_bench_category(benchmark, category),
         "method": method,
         "pair": pair,
         "benchmark": benchmark,
-        "choices": [{
-            "index": 0,
-            "turns": [text],
-            "new_tokens": [result.new_tokens],
-            "wall_time": [result.wall_time_s],
-            "accept_lengths": [t["accepted"] + 1 for t in turns],  # tokens per turn (Spec-Bench counts the bonus)
-        }],
+        "choices": [choice],
         "tokens": result.tokens,
         "prompt_tokens": result.prompt_tokens,
         "stop_reason": result.stop_reason,
@@ -182,8 +191,8 @@ def evaluation_units(cfg: DictConfig, prompts: dict[str, list], methods: list[st
     return sum(len(method_prompts(cfg, m, prompts[b])) for b in prompts for m in methods)
 
 
-def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], prompts, saved, paths, keys, methods,
-                         schedulers, sampling, progress) -> None:
+def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], prompts, categories, saved, paths, keys,
+                         methods, schedulers, sampling, progress) -> None:
     """One worker's share: build and warm up every decoder it needs, then for each benchmark run the
     missing methods interleaved prompt by prompt, compare with ``ar`` and write the records."""
     p, e = cfg.pipeline, cfg.evaluation
@@ -211,7 +220,8 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
                     continue
                 result = decoders[method].generate(ids, int(e.max_new_tokens))
                 text = pair.tokenizer.decode(result.tokens, skip_special_tokens=True)
-                records[method].append(make_record(pair_name, bench, method, qid, result, text, context))
+                records[method].append(make_record(pair_name, bench, method, qid, result, text, context,
+                                                   categories[bench].get(qid, "")))
                 records[method][-1].update(prompt_ids=ids, run_key=keys[method])
                 progress(1)
         reference = {r["question_id"]: r["tokens"] for r in records["ar"]}
@@ -245,6 +255,8 @@ def run_evaluate(cfg: DictConfig, progress=None) -> pd.DataFrame:
         spec = pair_spec(pair_name)
         tokenizer = load_tokenizer(spec.target, cfg.paths.models_dir)  # prompts without loading the models
         prompts = {b: stage_prompts(cfg, tokenizer, b, int(e.prompts_per_benchmark), offset) for b in benchmarks}
+        categories = {b: {int(r["question_id"]): r["category"] for r in stage_records(cfg, b, int(e.prompts_per_benchmark), offset)}
+                      for b in benchmarks}
         # done before an interruption
         saved = {(b, m): _saved_records(paths[b, m], keys[m], method_prompts(cfg, m, prompts[b])) for b, m in jobs}
         todo_benches = [b for b in benchmarks if any(saved[b, m] is None for m in methods)]
@@ -261,8 +273,8 @@ def run_evaluate(cfg: DictConfig, progress=None) -> pd.DataFrame:
         bar = None
         if progress is None:
             bar = tqdm(total=sum(units.values()), desc=f"evaluate {pair_name} ({len(groups)} worker(s))", file=sys.stderr)
-        fork_map(lambda group, report: _evaluate_benchmarks(cfg, pair, pair_name, group, prompts, saved, paths, keys,
-                                                            methods, schedulers, sampling, report),
+        fork_map(lambda group, report: _evaluate_benchmarks(cfg, pair, pair_name, group, prompts, categories, saved,
+                                                            paths, keys, methods, schedulers, sampling, report),
                  groups, progress or bar.update)
         if bar is not None:
             bar.close()
