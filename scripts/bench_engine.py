@@ -41,15 +41,17 @@ from rich.table import Table
 from tqdm.auto import tqdm
 
 from treegraft.atomic import atomic_write, atomic_write_json, read_json
-from treegraft.config import CONF_DIR
+from treegraft.config import CONF_DIR, check_config_choices
 from treegraft.data import BenchmarkConfig, format_prompt, load_benchmark
 from treegraft.decoding import AutoregressiveDecoder, GenerationResult, TreeGraftDecoder
 from treegraft.decoding.equality import compare_outputs
-from treegraft.decoding.factory import build_decoder, tree_config_from
+from treegraft.decoding.factory import LEARNED_METHODS, build_decoder, load_learned_scheduler, tree_config_from
+from treegraft.errors import MissingArtifactError
+from treegraft.models import ModelLoadError, TokenizerMismatchError
 from treegraft.drafters import NGramConfig, NGramDrafter
 from treegraft.machine import cpu_info, cpu_line
 from treegraft.models import load_model, load_pair
-from treegraft.models.runtime import RUNTIMES, effective_runtime, forward_curve, runtime_unavailable
+from treegraft.models.runtime import RUNTIMES, RuntimeUnavailable, effective_runtime, forward_curve, runtime_unavailable
 from treegraft.scheduling import FixedScheduler
 
 
@@ -221,6 +223,22 @@ def runtime_table(cfg: DictConfig, prompts, console: Console, out_dir: Path) -> 
 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench_engine")
 def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except (MissingArtifactError, ModelLoadError, TokenizerMismatchError, RuntimeUnavailable, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def build(method: str, pair, tree: dict, cfg: DictConfig):
+    """The decoder of ``method`` (or ``method:overrides``); learned methods load their scheduler from
+    ``cfg.artifacts`` (a missing artifact names the stage to run)."""
+    name = method.split(":")[0]
+    scheduler = load_learned_scheduler(name, cfg.artifacts) if name in LEARNED_METHODS else None
+    return build_decoder(name, pair, variant_tree(tree, method), scheduler=scheduler, cache_dir=cfg.paths.cache_dir)
+
+
+def run(cfg: DictConfig) -> None:
     console = Console(width=200)
     torch.manual_seed(0)
     out_dir = Path(cfg.out_dir)
@@ -235,10 +253,12 @@ def main(cfg: DictConfig) -> None:
     console.print(f"{len(prompts)} prompts x {cfg.max_new_tokens} new tokens, runtime {pair.runtime}, "
                   f"pair {cfg.pair.name}, methods interleaved prompt by prompt: {', '.join(methods)}")
 
-    decoders = {m: build_decoder(m.split(":")[0], pair, variant_tree(tree, m), cache_dir=cfg.paths.cache_dir)
-                for m in methods}
+    decoders = {m: build(m, pair, tree, cfg) for m in methods}
     for method, dec in decoders.items():  # every warm-up (and budget=auto's curve) before any timing
-        dec.generate(prompts[0][2], 8)
+        if isinstance(dec, TreeGraftDecoder) and dec.scheduler is not None and method.split(":")[0] in LEARNED_METHODS:
+            dec.warm_up(prompts[0][2], 8)  # the learned policy's runtime context
+        else:
+            dec.generate(prompts[0][2], 8)
     prompt_hash = hashlib.sha256(json.dumps([ids for _, _, ids in prompts]).encode()).hexdigest()[:16]
     runs_dir = out_dir / "runs" / pair.runtime
     key = {"prompts": prompt_hash, "max_new_tokens": cfg.max_new_tokens, "tree": tree, "cpu": cpu_line()}
@@ -302,4 +322,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_config_choices()
     main()

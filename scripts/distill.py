@@ -13,7 +13,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from treegraft.config import CONF_DIR
+from treegraft.config import CONF_DIR, check_config_choices
 from treegraft.pipeline.common import run_stage_cli
 from treegraft.pipeline.distill import run_distill
 
@@ -24,4 +24,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_config_choices()
     main()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from treegraft.config import CONF_DIR
+from treegraft.config import CONF_DIR, check_config_choices
 from treegraft.pipeline.common import run_stage_cli
 from treegraft.pipeline.evaluate import run_evaluate
 
@@ -25,4 +25,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_config_choices()
     main()

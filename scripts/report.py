@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig
 from rich.console import Console
 
-from treegraft.config import CONF_DIR
+from treegraft.config import CONF_DIR, check_config_choices
 from treegraft.pipeline.artifacts import MissingArtifactError, stage_dir
 from treegraft.pipeline.common import print_table
 from treegraft.pipeline.report import make_figures, make_tables
@@ -49,4 +49,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_config_choices()
     main()

@@ -15,12 +15,13 @@ import sys
 
 from hydra import compose, initialize_config_dir
 
-from treegraft.config import CONF_DIR
+from treegraft.config import CONF_DIR, check_config_choices
 from treegraft.errors import MissingArtifactError
 from treegraft.pipeline.run_all import run_all
 
 
 def main(overrides: list[str]) -> int:
+    check_config_choices(overrides)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfgs = {stage: compose(config_name=stage, overrides=overrides) for stage in ("collect", "fit", "distill", "evaluate")}
     try:

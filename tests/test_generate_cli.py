@@ -87,3 +87,29 @@ def test_unknown_runtime_is_one_line():
     assert proc.stderr.strip().splitlines() == [
         "error: unknown runtime 'int8'; expected auto or one of float32, bfloat16, float32_packed, bfloat16_packed, int4"
     ]
+
+
+def test_unknown_config_names_are_one_line_with_the_available_names():
+    proc = run_generate("pair=nope", "prompt=hi")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: unknown pair 'nope'; available: ")
+    assert "qwen-coder-1.5b__0.5b" in lines[0] and "tiny-random" in lines[0]
+    proc = run_generate("pair=tiny-random", "method=magic", "prompt=hi")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[0].startswith("error: unknown method 'magic'")
+    for script, arg in (("evaluate.py", "experiment=nope"), ("collect.py", "data=nope")):
+        proc = subprocess.run([sys.executable, f"scripts/{script}", arg], capture_output=True, text=True,
+                              cwd=REPO_ROOT, timeout=300)
+        assert proc.returncode == 2
+        assert len(proc.stderr.strip().splitlines()) == 1 and f"unknown {arg.split('=')[0]} 'nope'" in proc.stderr
+
+
+def test_bench_engine_learned_method_without_artifacts_names_the_stage(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/bench_engine.py", "pair=tiny-random", "methods=[ar,treegraft]", f"artifacts={tmp_path}",
+         "prompts_per_benchmark=1", "max_new_tokens=4", "max_prompt_tokens=64", f"out_dir={tmp_path / 'bench'}"],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    assert proc.returncode == 2
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: missing ") and "make collect fit distill" in last
+    assert "Traceback" not in proc.stderr

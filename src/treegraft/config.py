@@ -6,7 +6,7 @@ from omegaconf import OmegaConf
 
 from .paths import CONF_DIR, REPO_ROOT
 
-__all__ = ["CONF_DIR", "register_resolvers"]
+__all__ = ["CONF_DIR", "register_resolvers", "check_config_choices"]
 
 
 def register_resolvers() -> None:
@@ -16,3 +16,24 @@ def register_resolvers() -> None:
 
 
 register_resolvers()
+
+
+def check_config_choices(argv: list[str] | None = None, conf_dir=CONF_DIR) -> None:
+    """Exit with one line (status 2) when a command-line override names a config that does not exist,
+    e.g. ``pair=nope``: "error: unknown pair 'nope'; available: a, b, c". Hydra would print a listing
+    and a stack-trace hint; entry points call this before Hydra parses their arguments."""
+    import sys
+    from pathlib import Path
+
+    for arg in sys.argv[1:] if argv is None else argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if not sep or "." in key or "/" in key or key.startswith(("~", "-")):
+            continue
+        group = Path(conf_dir) / key
+        if not group.is_dir():
+            continue
+        available = sorted(p.stem for p in group.glob("*.yaml"))
+        for choice in value.split(","):  # multirun: -m pair=a,b
+            if choice and choice != "null" and choice not in available:
+                print(f"error: unknown {key} {choice!r}; available: {', '.join(available)}", file=sys.stderr)
+                sys.exit(2)

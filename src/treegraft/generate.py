@@ -22,7 +22,7 @@ import hydra
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from .config import CONF_DIR
+from .config import CONF_DIR, check_config_choices
 
 
 def read_prompt(cfg: DictConfig) -> str:
@@ -100,4 +100,5 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    check_config_choices()
     main()
