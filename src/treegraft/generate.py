@@ -6,6 +6,7 @@ Run:
     python -m treegraft.generate pair=smollm2-135m__self prompt_file=my_prompt.txt runtime=float32_packed
     python -m treegraft.generate pair=tiny-random chat_template=false prompt="hello" temperature=0.8 seed=3
     python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=all_mid tree.budget=auto prompt="..."
+    python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=fixed stream=true prompt="..."   # text as it arrives
 
 Methods (conf/method/): ar, all_small, all_mid, fixed, all_call, no_nondestructive,
 no_expanded_selection, csd, hf_assisted, hf_prompt_lookup.
@@ -34,6 +35,32 @@ def read_prompt(cfg: DictConfig) -> str:
             raise FileNotFoundError(f"prompt_file {str(path)!r} does not exist")
         return path.read_text()
     return str(cfg.prompt)
+
+
+class TextStream:
+    """Prints generated text as tokens arrive (one turn's accepted tokens at a time), holding back an
+    incomplete UTF-8 character, so that what reaches stdout is exactly the decoded whole."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tokenizer, self.out = tokenizer, out
+        self.tokens: list[int] = []
+        self.printed = ""
+
+    def put(self, new: list[int]) -> None:
+        self.tokens.extend(new)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        safe = text[: text.index("\ufffd")] if "\ufffd" in text else text
+        if safe.startswith(self.printed) and len(safe) > len(self.printed):
+            self.out.write(safe[len(self.printed):])
+            self.out.flush()
+            self.printed = safe
+
+    def end(self, text: str) -> None:
+        """Print the rest of the final ``text`` (what the non-streamed run prints) and the newline."""
+        if not text.startswith(self.printed):  # never expected for prefix-stable decoding; keep stdout whole
+            raise RuntimeError("streamed text is not a prefix of the final text")
+        self.out.write(text[len(self.printed):] + "\n")
+        self.out.flush()
 
 
 def run(cfg: DictConfig) -> int:
@@ -72,10 +99,14 @@ def run(cfg: DictConfig) -> int:
                             cfg.paths.cache_dir)
     if scheduler is not None:  # the learned policy's runtime context (ms per target / middle forward)
         decoder.warm_up(prompt_ids, 4)
-    result = decoder.generate(prompt_ids, cfg.max_new_tokens)
-    sys.stdout.write(tokenizer.decode(result.tokens, skip_special_tokens=True))
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    stream = TextStream(tokenizer) if cfg.stream else None
+    result = decoder.generate(prompt_ids, cfg.max_new_tokens, on_tokens=stream.put if stream else None)
+    text = tokenizer.decode(result.tokens, skip_special_tokens=True)
+    if stream is not None:
+        stream.end(text)
+    else:
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
     stats = (
         f"[{method}] pair={pair_spec.name} new_tokens={result.new_tokens} prompt_tokens={result.prompt_tokens} "
         f"time={result.wall_time_s:.2f}s tokens/s={result.tokens_per_s:.2f} stop={result.stop_reason} runtime={pair.runtime}"

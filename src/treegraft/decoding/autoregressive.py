@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -119,7 +119,9 @@ class AutoregressiveDecoder:
         self.sampling = sampling or SamplingConfig()
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> GenerationResult:
+    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """Decode ``prompt_ids``; ``on_tokens(new)``, if given, receives each emitted token as it arrives."""
         from transformers import DynamicCache
 
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.model)
@@ -135,6 +137,8 @@ class AutoregressiveDecoder:
         while True:
             token = sample_from_logits(out.logits[0, -1], self.sampling, generator)
             stop_reason = extend_until_stop(tokens, [token], self.eos_ids, max_new_tokens)
+            if on_tokens is not None:
+                on_tokens([token])
             if stop_reason:
                 break
             out = self.model(

@@ -12,7 +12,7 @@ tokens between the start of its forward and the start of the next (the last step
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -35,7 +35,9 @@ class _HFGenerate:
         raise NotImplementedError
 
     @torch.inference_mode()
-    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int) -> GenerationResult:
+    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """``on_tokens(new)`` receives the tokens of each step as transformers' streamer interface sees them."""
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.target)
         device = next(self.target.parameters()).device
         ids = torch.tensor([prompt_ids], device=device)
@@ -61,6 +63,7 @@ class _HFGenerate:
                 pad_token_id=self.eos_ids[0] if self.eos_ids else 0,
                 **sampling,
                 **self._kwargs(),
+                streamer=_CallbackStreamer(on_tokens) if on_tokens is not None else None,
             )
         finally:
             hook.remove()
@@ -72,6 +75,22 @@ class _HFGenerate:
         return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_ids), wall_time_s=wall,
                                 prefill_time_s=float("nan"), stop_reason=stop,
                                 turns=steps_from_starts(starts, len(prompt_ids), len(tokens)))
+
+
+class _CallbackStreamer:
+    """transformers' streamer protocol (``put`` the prompt, then new tokens; ``end``) onto a callback."""
+
+    def __init__(self, on_tokens: Callable[[list[int]], None]):
+        self.on_tokens, self.prompt_seen = on_tokens, False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.on_tokens(value.reshape(-1).tolist())
+
+    def end(self) -> None:
+        pass
 
 
 def steps_from_starts(starts: list[int], prompt_len: int, new_tokens: int) -> list[dict]:

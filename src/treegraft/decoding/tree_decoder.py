@@ -671,10 +671,12 @@ class TreeGraftDecoder:
     # ------------------------------------------------------------------ public
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
-                 before_turn: Callable[[int, int], None] | None = None) -> GenerationResult:
+                 before_turn: Callable[[int, int], None] | None = None,
+                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         """Decode ``prompt_ids``; ``before_turn(turn_index, root_token)``, if given, runs before each
         turn on the decoder's current state (e.g. to enumerate schedules there; it must leave the
-        state as it found it)."""
+        state as it found it); ``on_tokens(new)`` receives each turn's emitted tokens as they arrive
+        (streaming)."""
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.target)
         self.budget()
         generator = make_generator(self.sampling, self.device)
@@ -692,7 +694,10 @@ class TreeGraftDecoder:
                 before_turn(len(turns), root)
             emitted, stats = self._turn(root, generator)
             turns.append(stats)
+            before = len(tokens)
             stop_reason = extend_until_stop(tokens, emitted, self.eos_ids, max_new_tokens)
+            if on_tokens is not None:
+                on_tokens(tokens[before:])
             root = emitted[-1]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
