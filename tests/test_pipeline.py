@@ -397,3 +397,33 @@ def test_records_of_every_method_carry_the_fields_spec_bench_reads(smoke):
             assert sum(lengths) == tokens, (path, lengths)  # tokens per target forward, the bonus included
             assert rec["answer_id"] not in answer_ids
             answer_ids.add(rec["answer_id"])
+
+
+@pytest.mark.timeout(120)
+def test_forked_workers_run_kernels_after_the_parent_ran_multithreaded_ones(tmp_path):
+    """GNU OpenMP's pool does not survive fork: a worker must not deadlock in its first matmul when
+    the parent already ran threaded kernels (the CI hang of the forked collect/evaluate tests)."""
+    import torch
+
+    from treegraft.pipeline.parallel import fork_map, split_jobs
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = torch.randn(512, 512)
+        (a @ a).sum()  # the parent's pool exists now
+
+        def work(group, report):
+            for job in group:
+                value = float((a @ a).sum()) + job
+                (tmp_path / f"{job}.txt").write_text(repr(value))
+                report(1)
+
+        seen = []
+        fork_map(work, split_jobs([0, 1, 2, 3], [1, 1, 1, 1], 2), progress=seen.append)
+    finally:
+        torch.set_num_threads(threads)
+    assert sum(seen) == 4
+    expected = float((a @ a).sum())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0.txt", "1.txt", "2.txt", "3.txt"]
+    assert float((tmp_path / "2.txt").read_text()) == pytest.approx(expected + 2, rel=1e-4)

@@ -92,13 +92,14 @@ def test_nondestructive_grafting_keeps_the_branch_the_target_accepts(tiny_pair, 
 
     def oracle_propose(self, path, m=None):  # an n-gram drafter that happens to know the continuation
         k = len(path)
-        return ([(truth[k], -0.1)], 3) if path == truth[:k] and k < len(truth) else ([], 0)
+        return ([(truth[k], -0.1, (3, 0))], 3) if path == truth[:k] and k < len(truth) else ([], 0)
 
     accepted = {}
     for grafting in ("nondestructive", "destructive"):
         dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method="fixed", schedule=[0, 0, 1, 0, 0],
                                                                grafting=grafting, budget=63), eos_ids=set())
-        monkeypatch.setattr(type(dec.ngram), "propose", oracle_propose)
+        monkeypatch.setattr(type(dec.ngram), "propose_kinds", oracle_propose)  # the small step's lookup
+        monkeypatch.setattr(type(dec.ngram), "copy_chain", lambda self, path, max_len=None: [])
         dec._prefill(ids)
         dec.middle.reset(ids)
         _, stats = dec._turn(ids[-1], None)

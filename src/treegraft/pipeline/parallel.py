@@ -35,6 +35,11 @@ def split_jobs(jobs: Sequence, weights: Sequence[float], groups: int) -> list[li
 
 
 def _worker(fn: Callable, group: list, q) -> None:
+    # One thread, set before any kernel runs: GNU OpenMP's thread pool does not survive fork, so a
+    # worker whose parent already ran multi-threaded kernels deadlocks in its first parallel region.
+    import torch
+
+    torch.set_num_threads(1)
     try:
         fn(group, lambda n=1: q.put(("progress", n)))
         q.put(("done", None))
