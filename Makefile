@@ -15,6 +15,8 @@ MODELS_ALL := $(MODELS_DEFAULT) gemma3-270m
 MODEL_LIST := $(if $(filter default,$(MODELS)),$(MODELS_DEFAULT),$(if $(filter all,$(MODELS)),$(MODELS_ALL),$(MODELS)))
 # The test suite needs only SmolLM2 (and builds the tiny random models itself).
 TEST_MODELS := smollm2-135m
+# pytest-xdist workers for `make test` (each test file runs whole on one worker, one thread each)
+TEST_WORKERS ?= 2
 
 # Pipeline experiment (conf/experiment/<name>.yaml): smoke (tiny pair, CI); empty = conf defaults.
 EXPERIMENT ?=
@@ -79,10 +81,10 @@ figures: $(VENV)/.deps ## figures (PNG, PDF) from the saved records -> outputs/p
 
 test: $(VENV)/.deps $(VENV)/.pkg-$(TEST_MODELS) ## run the whole test suite (converts SmolLM2 first if needed)
 	$(VPY) scripts/prepare_models.py --models $(TEST_MODELS)
-	$(VPY) -m pytest
+	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(VENV)/.deps ## the tests not marked slow
-	$(VPY) -m pytest -m "not slow"
+	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench-models: models ## measure load time, forward latency and self-draft agreement of the converted models
 	$(VPY) scripts/bench_models.py

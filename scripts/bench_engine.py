@@ -16,8 +16,10 @@ Prints the CPU line, one table (tokens/s, speedup, mean AL, B_ver, tree nodes, c
 ms/call, prefill vs ar, mismatches vs ar raw / not a near-tie), then, with ``runtimes=true``, the
 verification curve and ar tokens/s of every runtime against the float32 default, the n-gram cost per
 call at a long context and the scheduler-state cost. Writes outputs/bench/<pair>/engine.csv (rows
-keyed by runtime and method), runtimes.csv and the per-prompt outputs under runs/<runtime>/ (a rerun
-with the same settings reuses the prompts already done).
+keyed by runtime and method), runtimes.csv and one file per prompt under runs/<runtime>/ (a rerun
+with the same settings reuses the prompts already done). ``workers=2`` splits the prompts across two
+forked processes (one thread each) that share the loaded pair: both cores work, every method of a
+prompt still runs back to back in one worker.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from treegraft.models import ModelLoadError, TokenizerMismatchError
 from treegraft.drafters import NGramConfig, NGramDrafter
 from treegraft.machine import cpu_info, cpu_line
 from treegraft.models import load_model, load_pair
+from treegraft.pipeline.parallel import fork_map, split_jobs
 from treegraft.models.runtime import RUNTIMES, RuntimeUnavailable, effective_runtime, forward_curve, runtime_unavailable
 from treegraft.scheduling import FixedScheduler
 
@@ -241,6 +244,8 @@ def build(method: str, pair, tree: dict, cfg: DictConfig):
 def run(cfg: DictConfig) -> None:
     console = Console(width=200)
     torch.manual_seed(0)
+    if int(cfg.workers) > 1:  # measure (runtime, curves, warm-up) as the one-thread workers will run
+        torch.set_num_threads(1)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"CPU: {cpu_line()}")
@@ -262,20 +267,34 @@ def run(cfg: DictConfig) -> None:
     prompt_hash = hashlib.sha256(json.dumps([ids for _, _, ids in prompts]).encode()).hexdigest()[:16]
     runs_dir = out_dir / "runs" / pair.runtime
     key = {"prompts": prompt_hash, "max_new_tokens": cfg.max_new_tokens, "tree": tree, "cpu": cpu_line()}
-    saved = {m: read_json(runs_dir / f"{m}.json", {}) for m in methods} if cfg.resume else {}
+
+    def saved(i: int) -> dict:  # the methods already run on prompt i with these settings
+        record = read_json(runs_dir / f"prompt_{i:03d}.json", {})
+        return record.get("results", {}) if record.get("key") == key else {}
+
+    todo = [i for i in range(len(prompts)) if not cfg.resume or set(methods) - set(saved(i))]
+    if len(todo) < len(prompts):
+        console.print(f"resuming: {len(prompts) - len(todo)} prompt(s) saved with the same settings")
+
+    def work(group: list[int], report) -> None:
+        for i in group:
+            results = saved(i) if cfg.resume else {}
+            for m in methods:
+                if m not in results:
+                    results[m] = result_to_json(decoders[m].generate(prompts[i][2], cfg.max_new_tokens))
+            atomic_write_json({"key": key, "results": results}, runs_dir / f"prompt_{i:03d}.json")
+            report(1)
+
+    # both cores: prompts split across forked workers (one thread each) sharing the loaded pair;
+    # each worker still runs every method on a prompt before the next one
+    groups = split_jobs(todo, [1 + len(prompts[i][2]) / 256 for i in todo], int(cfg.workers))
+    with tqdm(total=len(todo), desc=f"prompts (every method, {len(groups)} worker(s))", file=sys.stderr) as bar:
+        fork_map(work, groups, progress=bar.update)
     results: dict[str, list] = {m: [] for m in methods}
-    for m in methods:
-        if saved.get(m, {}).get("key") == key:
-            results[m] = [GenerationResult(**r) for r in saved[m]["results"]]
-    start = min(len(r) for r in results.values())
-    for m in methods:
-        results[m] = results[m][:start]
-    if start:
-        console.print(f"resuming after {start} prompt(s) saved with the same settings")
-    for _, _, ids in tqdm(prompts[start:], desc="prompts (every method)", file=sys.stderr):
+    for i in range(len(prompts)):
+        record = saved(i)
         for m in methods:
-            results[m].append(decoders[m].generate(ids, cfg.max_new_tokens))
-            atomic_write_json({"key": key, "results": [result_to_json(r) for r in results[m]]}, runs_dir / f"{m}.json")
+            results[m].append(GenerationResult(**record[m]))
 
     target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
     rows = []

@@ -19,6 +19,11 @@ _shared_benchmarks = Path(__file__).resolve().parents[2] / "shared" / "data" / "
 if "TREEGRAFT_BENCHMARKS" not in os.environ and _shared_benchmarks.is_dir():
     os.environ["TREEGRAFT_BENCHMARKS"] = str(_shared_benchmarks)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers: one thread each, no oversubscription
+    import torch
+
+    torch.set_num_threads(1)
+
 from treegraft.config import CONF_DIR  # noqa: E402  (registers the OmegaConf resolvers)
 from treegraft.models.embedded import EMBEDDED_MODELS, is_converted  # noqa: E402
 from treegraft.paths import default_models_dir  # noqa: E402

@@ -64,7 +64,8 @@ def test_generate_speculative_methods_print_the_same_text_as_ar():
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout == ar.stdout, method
         assert f"[{method}]" in proc.stderr
-    assert "mean_AL=" in run_generate(*args, "method=all_small").stderr
+        if method == "all_small":
+            assert "mean_AL=" in proc.stderr
 
 
 def test_runtime_auto_prints_its_choice_once(tmp_path):

@@ -288,7 +288,10 @@ def test_evaluate_reuses_records_only_under_the_same_run_key(smoke):
 
 def test_fit_and_distill_skip_when_up_to_date_and_redo_when_forced_or_changed(smoke):
     _, out, *_ = smoke
-    args = ["experiment=smoke", f"paths.output_dir={out}"]
+    cheap = ["scheduler.candidates=[depth_before,node_count,ngram_match_len]", "scheduler.selection_mlp.epochs=10",
+             "scheduler.value_mlp.epochs=20", "scheduler.predictor_mlp.epochs=20",
+             "scheduler.decision_timing_repeats=50"]  # the skip logic, not the fit, is under test
+    args = ["experiment=smoke", f"paths.output_dir={out}", *cheap]
     heads = out / "pipeline" / "smoke" / "fit" / "value_heads.pt"
     scheduler = out / "pipeline" / "smoke" / "distill" / "scheduler.pt"
     run_fit(compose("fit", args))  # brings both up to date (an earlier test re-collected a prompt: new timings)

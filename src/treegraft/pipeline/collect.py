@@ -29,7 +29,7 @@ from .enumeration import TurnEnumeration, enumerate_turn
 from ..scheduling.features import state_names, state_vector, suffix_names, suffix_vector
 from ..scheduling.signals import SIGNAL_NAMES
 from .artifacts import MissingArtifactError, atomic_write_json, atomic_write_parquet
-from .parallel import fork_map, split_jobs
+from .parallel import fork_map, split_jobs, one_thread_with_workers
 
 __all__ = [
     "decode_with_enumeration",
@@ -285,6 +285,7 @@ def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict
     return rows
 
 
+@one_thread_with_workers
 def run_collect(cfg, progress=None) -> pd.DataFrame:
     """The `collect` stage for every pair of ``cfg.pipeline.pairs``; returns the summary table.
     ``progress(n)``: advance an outer progress bar by n prompts (else one bar per pair here)."""

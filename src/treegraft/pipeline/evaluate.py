@@ -36,7 +36,7 @@ from ..models import load_model, load_pair, load_tokenizer
 from ..models.runtime import effective_runtime
 from .artifacts import atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
 from .common import pair_spec, print_table, stage_prompts, stage_records
-from .parallel import fork_map, split_jobs
+from .parallel import fork_map, split_jobs, one_thread_with_workers
 from .tracking import stage_logger
 
 __all__ = ["run_evaluate", "make_record", "summarize_records", "read_records", "eval_pairs", "run_key", "method_prompts",
@@ -236,6 +236,7 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
             _write_records(records[method], paths[bench, method])
 
 
+@one_thread_with_workers
 def run_evaluate(cfg: DictConfig, progress=None) -> pd.DataFrame:
     """``progress(n)``: advance an outer progress bar by n (prompt, method) generations (else one bar here)."""
     console = Console(width=200, stderr=True)

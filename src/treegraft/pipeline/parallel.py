@@ -14,12 +14,34 @@ speedups comparable; absolute tokens/s are those of a loaded machine.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import queue
 import traceback
 from typing import Callable, Sequence
 
-__all__ = ["fork_map", "split_jobs"]
+__all__ = ["fork_map", "split_jobs", "one_thread_with_workers"]
+
+
+def one_thread_with_workers(stage: Callable) -> Callable:
+    """Run ``stage(cfg, ...)`` with one thread when ``cfg.pipeline.workers`` > 1, so what the parent
+    measures before forking (runtime choice, verification curve, per-call costs) is measured as the
+    one-thread workers will run; the thread count is restored afterwards."""
+
+    @functools.wraps(stage)
+    def wrapper(cfg, *args, **kwargs):
+        import torch
+
+        if int(cfg.pipeline.get("workers", 1) or 1) <= 1:
+            return stage(cfg, *args, **kwargs)
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return stage(cfg, *args, **kwargs)
+        finally:
+            torch.set_num_threads(before)
+
+    return wrapper
 
 
 def split_jobs(jobs: Sequence, weights: Sequence[float], groups: int) -> list[list]:
