@@ -13,10 +13,11 @@ the methods run *interleaved prompt by prompt* (ar, m1, m2, ..., then the next p
 patch of the machine lands on every method alike; greedy; speedup = ar's total time / the method's
 total time over the same prompts, all on one runtime (``runtime=auto`` picks it by measuring).
 Prints the CPU line, one table (tokens/s, speedup, mean AL, B_ver, tree nodes, call rate, middle
-ms/call, prefill vs ar, mismatches vs ar raw / not a near-tie), then, with ``runtimes=true``, the
-verification curve and ar tokens/s of every runtime against the float32 default, the n-gram cost per
-call at a long context and the scheduler-state cost. Writes outputs/bench/<pair>/engine.csv (rows
-keyed by runtime and method), runtimes.csv and one file per prompt under runs/<runtime>/ (a rerun
+ms/call, prefill vs ar, mismatches vs ar raw / not a near-tie), speedup per benchmark, the n-gram
+cost per call at a long context and the scheduler-state cost. ``runtimes=true`` first measures every
+runtime of the target, one model at a time: its verification curve, ar tokens/s against the float32
+default and its logits against float32 (``runtimes_only=true``: that table alone). Writes
+outputs/bench/<pair>/engine.csv (rows keyed by runtime and method), runtimes.csv and one file per prompt under runs/<runtime>/ (a rerun
 with the same settings reuses the prompts already done). ``workers=2`` splits the prompts across two
 forked processes (one thread each) that share the loaded pair: both cores work, every method of a
 prompt still runs back to back in one worker.
@@ -52,7 +53,7 @@ from treegraft.errors import MissingArtifactError
 from treegraft.models import ModelLoadError, TokenizerMismatchError
 from treegraft.drafters import NGramConfig, NGramDrafter
 from treegraft.machine import cpu_info, cpu_line
-from treegraft.models import load_model, load_pair
+from treegraft.models import load_model, load_pair, load_tokenizer
 from treegraft.pipeline.parallel import fork_map, split_jobs
 from treegraft.models.runtime import RUNTIMES, RuntimeUnavailable, effective_runtime, forward_curve, runtime_unavailable
 from treegraft.scheduling import FixedScheduler
@@ -207,6 +208,7 @@ def runtime_table(cfg: DictConfig, prompts, console: Console, out_dir: Path) -> 
                      "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
                      "cpu": cpu_line()})
         del model, dec
+        gc.collect()  # one model in memory at a time
     df = pd.DataFrame(rows)
     if "float32" in set(df.get("runtime", [])):
         base = float(df.loc[df["runtime"] == "float32", "ar_decode_tokens_per_s"].iloc[0])
@@ -249,6 +251,10 @@ def run(cfg: DictConfig) -> None:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"CPU: {cpu_line()}")
+    if cfg.runtimes:  # first, one target at a time, before the pair takes its memory
+        runtime_table(cfg, load_prompts(cfg, load_tokenizer(cfg.pair.target, cfg.paths.models_dir)), console, out_dir)
+        if cfg.runtimes_only:
+            return
     runtime = effective_runtime(cfg.runtime, cfg.dtype)
     pair = load_pair(instantiate(cfg.pair), device=cfg.device, models_dir=cfg.paths.models_dir, runtime=runtime,
                      cache_dir=cfg.paths.cache_dir, log=console.print)
@@ -334,10 +340,6 @@ def run(cfg: DictConfig) -> None:
     if pair.middle is not None and "fixed" in methods:
         ms = signals_cost_ms(pair, tree, prompts[:2], min(cfg.max_new_tokens, 16), cfg.paths.cache_dir)
         console.print(f"scheduler state with all tree signals: {ms:.3f} ms per step (fixed schedule, real trees)")
-    if cfg.runtimes:  # one target at a time: free the pair first
-        del decoders, pair, target_fp32
-        gc.collect()
-        runtime_table(cfg, prompts, console, out_dir)
 
 
 if __name__ == "__main__":
