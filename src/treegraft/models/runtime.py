@@ -67,7 +67,7 @@ __all__ = [
 ]
 
 RUNTIMES = ("float32", "bfloat16", "float32_packed", "bfloat16_packed", "int4")
-KERNELS_VERSION = 2  # part of every cached measurement's key: bump when a runtime's kernels change
+KERNELS_VERSION = 3  # part of every cached measurement's key: bump when a runtime's kernels change
 INT4_GROUP = 32
 
 
