@@ -92,7 +92,7 @@ def main() -> int:
     parser.add_argument("--prompts-per-benchmark", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--draft-max", type=int, default=8, help="draft tokens per step (llama.cpp's --draft-max)")
+    parser.add_argument("--draft-max", type=int, default=8, help="draft tokens per step (llama.cpp's --spec-draft-n-max)")
     parser.add_argument("--version", default="0.3.36", help="llama-cpp-python source package version")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
     parser.add_argument("--out", default=str(REPO_ROOT / "outputs" / "llamacpp"))
@@ -121,7 +121,7 @@ def main() -> int:
                    "plain": speed(r"eval time =.*?([\d.]+) tokens per second", plain)}
             for kind, extra in (("draft-simple", ["-md", str(draft)]), ("ngram-simple", [])):
                 out = run([str(bins / "llama-speculative-simple"), "-m", str(target), "-f", str(prompt_file), *common[:-1],
-                           "--spec-type", kind, "--draft-max", str(args.draft_max), *extra], args.threads)
+                           "--spec-type", kind, "--spec-draft-n-max", str(args.draft_max), *extra], args.threads)
                 row[kind] = speed(r"speed:\s*([\d.]+)\s*t/s", "".join(out))
             rows.append(row)
             print(row, flush=True)
