@@ -54,7 +54,7 @@ from treegraft.models import ModelLoadError, TokenizerMismatchError
 from treegraft.drafters import NGramConfig, NGramDrafter
 from treegraft.machine import cpu_info, cpu_line
 from treegraft.models import load_model, load_pair, load_tokenizer
-from treegraft.pipeline.parallel import fork_map, split_jobs
+from treegraft.pipeline.parallel import fork_map, one_thread_if_forking, split_jobs
 from treegraft.models.runtime import RUNTIMES, RuntimeUnavailable, effective_runtime, forward_curve, runtime_unavailable
 from treegraft.scheduling import FixedScheduler
 
@@ -229,7 +229,8 @@ def runtime_table(cfg: DictConfig, prompts, console: Console, out_dir: Path) -> 
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="bench_engine")
 def main(cfg: DictConfig) -> None:
     try:
-        run(cfg)
+        with one_thread_if_forking(cfg.workers):  # measure (runtime, curves, warm-up) as the workers run
+            run(cfg)
     except (MissingArtifactError, ModelLoadError, TokenizerMismatchError, RuntimeUnavailable, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
@@ -246,8 +247,6 @@ def build(method: str, pair, tree: dict, cfg: DictConfig):
 def run(cfg: DictConfig) -> None:
     console = Console(width=200)
     torch.manual_seed(0)
-    if int(cfg.workers) > 1:  # measure (runtime, curves, warm-up) as the one-thread workers will run
-        torch.set_num_threads(1)
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"CPU: {cpu_line()}")

@@ -14,32 +14,41 @@ speedups comparable; absolute tokens/s are those of a loaded machine.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing as mp
 import queue
 import traceback
 from typing import Callable, Sequence
 
-__all__ = ["fork_map", "split_jobs", "one_thread_with_workers"]
+__all__ = ["fork_map", "split_jobs", "one_thread_if_forking", "one_thread_with_workers"]
+
+
+@contextlib.contextmanager
+def one_thread_if_forking(workers: int):
+    """One thread while ``workers`` > 1, so what the parent measures before forking (runtime choice,
+    verification curve, per-call costs) is measured as the one-thread workers will run; the thread
+    count is restored afterwards."""
+    import torch
+
+    if int(workers or 1) <= 1:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def one_thread_with_workers(stage: Callable) -> Callable:
-    """Run ``stage(cfg, ...)`` with one thread when ``cfg.pipeline.workers`` > 1, so what the parent
-    measures before forking (runtime choice, verification curve, per-call costs) is measured as the
-    one-thread workers will run; the thread count is restored afterwards."""
+    """A stage ``stage(cfg, ...)`` run under :func:`one_thread_if_forking` of ``cfg.pipeline.workers``."""
 
     @functools.wraps(stage)
     def wrapper(cfg, *args, **kwargs):
-        import torch
-
-        if int(cfg.pipeline.get("workers", 1) or 1) <= 1:
+        with one_thread_if_forking(cfg.pipeline.get("workers", 1)):
             return stage(cfg, *args, **kwargs)
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            return stage(cfg, *args, **kwargs)
-        finally:
-            torch.set_num_threads(before)
 
     return wrapper
 

@@ -111,27 +111,26 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   int64_t M = x.size(0), K = x.size(1), G = packed.size(0);
   TORCH_CHECK(packed.size(1) == K && packed.size(2) == 8, "packed weight does not match x");
   auto y = torch::empty({M, N}, x.options());
-  std::vector<float> xt(static_cast<size_t>(K) * 8);
   const float* xp = x.data_ptr<float>();
-  if (M == 7 || M == 8) {
-    std::vector<float> xb(static_cast<size_t>(K) * 8, 0.0f);
-    std::fill(xt.begin(), xt.end(), 0.0f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) (m < 4 ? xt[k * 8 + m] : xb[k * 8 + m - 4]) = xp[m * K + k];
-    if (M == 8) run_split<4>(xt.data(), xb.data(), K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
-    else run_split<3>(xt.data(), xb.data(), K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
-    if (bias.has_value()) y.add_(bias.value());
-    return y;
-  }
-  for (int64_t m0 = 0; m0 < M;) {
-    // row blocks of at most 6 (the register file holds the accumulators of 6 rows x 2 groups)
-    int64_t left = M - m0;
-    int64_t mb = std::min<int64_t>(6, left);
-    std::fill(xt.begin(), xt.end(), 0.0f);
+  // rows m0 .. m0 + mb - 1 of x transposed to [K][8], zero-padded
+  auto transposed = [&](int64_t m0, int64_t mb) {
+    std::vector<float> xt(static_cast<size_t>(K) * 8, 0.0f);
     for (int64_t m = 0; m < mb; ++m)
       for (int64_t k = 0; k < K; ++k) xt[k * 8 + m] = xp[(m0 + m) * K + k];
-    dispatch(mb, xt.data(), K, packed.data_ptr<float>(), y.data_ptr<float>() + m0 * N, N, G);
-    m0 += mb;
+    return xt;
+  };
+  if (M == 7 || M == 8) {
+    auto xa = transposed(0, 4), xb = transposed(4, M - 4);
+    if (M == 8) run_split<4>(xa.data(), xb.data(), K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
+    else run_split<3>(xa.data(), xb.data(), K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
+  } else {
+    for (int64_t m0 = 0; m0 < M;) {
+      // row blocks of at most 6 (the register file holds the accumulators of 6 rows x 2 groups)
+      int64_t mb = std::min<int64_t>(6, M - m0);
+      auto xt = transposed(m0, mb);
+      dispatch(mb, xt.data(), K, packed.data_ptr<float>(), y.data_ptr<float>() + m0 * N, N, G);
+      m0 += mb;
+    }
   }
   if (bias.has_value()) y.add_(bias.value());
   return y;
