@@ -256,11 +256,12 @@ def run(cfg: DictConfig) -> None:
             return
     runtime = effective_runtime(cfg.runtime, cfg.dtype)
     pair = load_pair(instantiate(cfg.pair), device=cfg.device, models_dir=cfg.paths.models_dir, runtime=runtime,
-                     cache_dir=cfg.paths.cache_dir, log=console.print)
+                     cache_dir=cfg.paths.cache_dir, log=console.print, middle_runtime=cfg.middle_runtime)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     prompts = load_prompts(cfg, pair.tokenizer)
     methods = ["ar"] + [m for m in cfg.methods if m != "ar"]
-    console.print(f"{len(prompts)} prompts x {cfg.max_new_tokens} new tokens, runtime {pair.runtime}, "
+    console.print(f"{len(prompts)} prompts x {cfg.max_new_tokens} new tokens, runtime {pair.runtime} "
+                  f"(middle drafter {pair.middle_runtime}), "
                   f"pair {cfg.pair.name}, methods interleaved prompt by prompt: {', '.join(methods)}")
 
     decoders = {m: build(m, pair, tree, cfg) for m in methods}
@@ -270,7 +271,7 @@ def run(cfg: DictConfig) -> None:
         else:
             dec.generate(prompts[0][2], 8)
     prompt_hash = hashlib.sha256(json.dumps([ids for _, _, ids in prompts]).encode()).hexdigest()[:16]
-    runs_dir = out_dir / "runs" / pair.runtime
+    runs_dir = out_dir / "runs" / (pair.runtime if pair.middle_runtime == pair.runtime else f"{pair.runtime}+{pair.middle_runtime}")
     key = {"prompts": prompt_hash, "max_new_tokens": cfg.max_new_tokens, "tree": tree, "cpu": cpu_line()}
 
     def saved(i: int) -> dict:  # the methods already run on prompt i with these settings

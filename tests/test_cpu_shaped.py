@@ -19,10 +19,19 @@ PROMPTS = ["hello world", "abab abab abab ab", "def f(x):\n    return x + 1\n\nd
 TREE = {"budget": "auto", "shape": "auto", "draft_vocab": 64, "ngram": {"prefill_vocab": 32}}
 
 
-@pytest.fixture(scope="module", params=["float32_packed", "int4"])
+@pytest.fixture(scope="module", params=[("float32_packed", "same"), ("int4", "same"), ("bfloat16_packed", "int8")],
+                ids=lambda p: "+".join(p))
 def tiny_runtime_pair(request):
+    """The tiny pair on a target runtime and a middle-drafter runtime (``bfloat16_packed`` + ``int8``: the
+    AVX-512 kernels, skipped where they do not run)."""
+    from treegraft.models.runtime import runtime_unavailable
+
+    runtime, middle_runtime = request.param
+    reason = runtime_unavailable(runtime) or (middle_runtime != "same" and runtime_unavailable(middle_runtime))
+    if reason:
+        pytest.skip(reason)
     return load_pair(PairSpec(name="tiny-random", target="tiny-random:0", middle="tiny-random:1"),
-                     runtime=request.param)
+                     runtime=runtime, middle_runtime=middle_runtime)
 
 
 def test_every_method_equals_ar_of_the_same_runtime_on_the_tiny_pair(tiny_runtime_pair, tmp_path):
@@ -34,7 +43,7 @@ def test_every_method_equals_ar_of_the_same_runtime_on_the_tiny_pair(tiny_runtim
         for method in METHOD_PRESETS:
             dec = build_decoder(method, pair, TREE, cache_dir=tmp_path)
             result = dec.generate(ids, 40)
-            assert result.tokens == ref, (pair.runtime, method, text)
+            assert result.tokens == ref, (pair.runtime, pair.middle_runtime, method, text)
             assert all(t["verified_nodes"] <= t["budget"] <= 63 for t in result.turns)
 
 

@@ -231,7 +231,7 @@ def test_effective_runtime_keeps_dtype_working():
     assert effective_runtime("int4", "fp32") == "float32"
     assert effective_runtime(None, None) is None
     with pytest.raises(ValueError, match="unknown runtime"):
-        effective_runtime("int8", None)
+        effective_runtime("int16", None)
     with pytest.raises(ValueError, match="unknown dtype"):
         effective_runtime("auto", "float16")
 
@@ -268,3 +268,103 @@ def test_packed_linear_without_the_kernel_uses_mkl_and_onednn(monkeypatch):
     for rows in (1, 3):
         x = torch.randn(rows, 64)
         torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+
+
+def _avx512():
+    from treegraft.models.runtime import avx512_kernels
+
+    kernels = avx512_kernels()
+    if kernels is None:
+        pytest.skip("no AVX512-BF16/VNNI here (or no C++ compiler): bfloat16_packed uses oneDNN, int8 is unavailable")
+    return kernels
+
+
+def test_avx512_bf16_kernel_is_a_bf16_linear_and_row_invariant():
+    """bf16 products with float32 accumulation for every row count (ragged column groups, odd K), and a
+    row's result is bit-identical whatever the other rows are: a tree verification row equals the
+    one-token forward of the same prefix."""
+    kernel = _avx512()
+    torch.manual_seed(0)
+    for n, k in ((45, 41), (64, 96), (16, 8), (300, 130)):
+        w, b = torch.randn(n, k), torch.randn(n)
+        packed = kernel.pack_bf16(w)
+        for rows in (*range(1, 18), 33):
+            x = torch.randn(rows, k)
+            ref = x.bfloat16().float() @ w.bfloat16().float().T
+            torch.testing.assert_close(kernel.linear_bf16(x, packed, n, b), ref + b, rtol=1e-5, atol=1e-4)
+            alone = torch.cat([kernel.linear_bf16(x[i : i + 1].clone(), packed, n, None) for i in range(rows)])
+            assert torch.equal(kernel.linear_bf16(x, packed, n, None), alone)
+
+
+def test_avx512_int8_kernel_quantizes_each_row_alone():
+    """int8 weights per column and int8 rows per row: within ~2% of the float product (random weights,
+    the quantization error) and, the accumulation being exact, bit-identical per row whatever the batch."""
+    kernel = _avx512()
+    torch.manual_seed(0)
+    for n, k in ((45, 41), (64, 96), (300, 130)):
+        w, b = torch.randn(n, k), torch.randn(n)
+        packed, scales, colsum = kernel.pack_int8(w)
+        for rows in (1, 2, 7, 8, 9, 16, 33):
+            x = torch.randn(rows, k)
+            y = kernel.linear_int8(x, packed, scales, colsum, n, b)
+            ref = x @ w.T
+            assert float((y - b - ref).norm() / ref.norm()) < 0.02
+            alone = torch.cat([kernel.linear_int8(x[i : i + 1].clone(), packed, scales, colsum, n, b) for i in range(rows)])
+            assert torch.equal(y, alone)
+            x[0] *= 100  # an outlier row changes only its own scale
+            assert torch.equal(kernel.linear_int8(x, packed, scales, colsum, n, b)[1:], y[1:])
+
+
+def test_int8_runtime_swaps_every_linear_and_stays_close():
+    _avx512()
+    from treegraft.models.runtime import RowInt8Linear
+
+    ids = list(range(3, 40))
+    ref = _logits(build_tiny_model(0), ids)
+    model = apply_runtime(build_tiny_model(0), "int8")
+    assert model_runtime(model) == "int8"
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert isinstance(model.get_output_embeddings(), RowInt8Linear)
+    assert model.get_output_embeddings().weight is not None  # drafters read rows of the head
+    out = _logits(model, ids)
+    # random weights have no outliers to lose and no margin to keep: errors compound to ~10% over the
+    # tiny model's layers; the embedded test below checks what a drafter needs on a real model
+    assert float((out - ref).norm() / ref.norm()) < 0.2
+
+
+@pytest.mark.embedded
+def test_int8_keeps_the_top1_of_smollm2():
+    _avx512()
+    require_embedded("smollm2-135m")
+    from treegraft.models import load_model, load_tokenizer
+
+    tok = load_tokenizer("embedded:smollm2-135m")
+    ids = tok("def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\n"
+              "The quick brown fox jumps over the lazy dog. " * 3).input_ids
+    ref = _logits(load_model("embedded:smollm2-135m", runtime="float32"), ids)
+    out = _logits(load_model("embedded:smollm2-135m", runtime="int8"), ids)
+    assert float((out.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.9
+
+
+def test_bfloat16_packed_uses_the_avx512_kernel_where_it_runs():
+    _avx512()
+    lin = _linear(96, 40, True)
+    packed = PackedLinear.from_linear(lin, torch.bfloat16)
+    assert packed.wide is not None and packed.packed is None  # no second (oneDNN) copy of the weights
+    x = torch.randn(5, 96)
+    ref = x.bfloat16().float() @ lin.weight.detach().bfloat16().float().T + lin.bias.detach().bfloat16().float()
+    torch.testing.assert_close(packed(x), ref, rtol=1e-4, atol=1e-3)
+
+
+def test_middle_runtime_rule():
+    from treegraft.models.loading import resolve_middle_runtime
+
+    assert resolve_middle_runtime("same", "bfloat16_packed") == "bfloat16_packed"
+    assert resolve_middle_runtime(None, None) is None
+    assert resolve_middle_runtime("float32", "bfloat16_packed") == "float32"
+    assert resolve_middle_runtime("auto", None) is None  # stock models stay stock
+    expected = "int8" if runtime_unavailable("int8") is None else "float32_packed"
+    assert resolve_middle_runtime("auto", "float32_packed") == expected
+    assert resolve_middle_runtime("auto", "float32_packed", "cuda") == "float32_packed"
+    with pytest.raises(ValueError, match="unknown middle_runtime 'int3'"):
+        resolve_middle_runtime("int3", "float32")

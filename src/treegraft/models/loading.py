@@ -25,7 +25,7 @@ from torch import nn
 
 from ..paths import default_cache_dir, default_models_dir
 from .embedded import EMBEDDED_MODELS, int4_blocks, is_converted
-from .runtime import RUNTIMES, apply_runtime, choose_runtime, runtime_load_dtype
+from .runtime import RUNTIMES, apply_runtime, choose_runtime, runtime_load_dtype, runtime_unavailable
 from .tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "TokenizerMismatchError",
     "resolve_dtype",
     "resolve_runtime",
+    "resolve_middle_runtime",
     "resolve_source",
     "load_model",
     "load_tokenizer",
@@ -99,6 +100,7 @@ class LoadedPair:
     middle: nn.Module
     tokenizer: Any
     runtime: str = "float32"
+    middle_runtime: str = "float32"
 
 
 def resolve_source(source: str, models_dir: str | os.PathLike | None = None) -> str:
@@ -245,11 +247,16 @@ def load_pair(
     runtime: str | None = None,
     cache_dir: str | os.PathLike | None = None,
     log=print,
+    middle_runtime: str | None = "same",
 ) -> LoadedPair:
     """Load target, middle drafter and the shared tokenizer, checking the vocabularies match.
 
-    ``runtime`` (``auto`` or a name of :data:`~treegraft.models.runtime.RUNTIMES`) is applied to both
-    models (``auto`` is measured on the target); None loads stock models in ``dtype``.
+    ``runtime`` (``auto`` or a name of :data:`~treegraft.models.runtime.RUNTIMES`) is applied to the
+    target (``auto`` is measured on it); None loads stock models in ``dtype``. ``middle_runtime``: the
+    middle drafter's, ``same`` (the target's), a runtime name, or ``auto`` (:func:`resolve_middle_runtime`:
+    ``int8`` where its kernel runs, else the target's). A drafter's numerics only move acceptance,
+    never the output, so it may run a lossier, faster runtime than the target. A self-draft shares the
+    target's modules and so its runtime.
     """
     tokenizer = load_tokenizer(spec.target, models_dir)
     if spec.middle is not None:
@@ -257,14 +264,33 @@ def load_pair(
     if runtime is not None:
         runtime = resolve_runtime(spec.target, runtime, device, models_dir, cache_dir, log)
     target = load_model(spec.target, dtype, device, models_dir, runtime)
+    mid_runtime = runtime
     if spec.self_draft_layers is not None:
         middle = make_self_draft(target, int(spec.self_draft_layers))
     else:
-        middle = load_model(spec.middle, dtype, device, models_dir, runtime)
+        mid_runtime = resolve_middle_runtime(middle_runtime, runtime, device)
+        middle = load_model(spec.middle, dtype, device, models_dir, mid_runtime)
     t_vocab, m_vocab = _output_size(target), _output_size(middle)
     if t_vocab != m_vocab:
         raise TokenizerMismatchError(
             f"tokenizer mismatch: target {spec.target} has {t_vocab} output logits, middle {spec.middle} has {m_vocab}"
         )
-    label = runtime or ("bfloat16" if resolve_dtype(dtype) == torch.bfloat16 else "float32")
-    return LoadedPair(spec=spec, target=target, middle=middle, tokenizer=tokenizer, runtime=label)
+    stock = "bfloat16" if resolve_dtype(dtype) == torch.bfloat16 else "float32"
+    return LoadedPair(spec=spec, target=target, middle=middle, tokenizer=tokenizer, runtime=runtime or stock,
+                      middle_runtime=mid_runtime or stock)
+
+
+def resolve_middle_runtime(middle_runtime: str | None, target_runtime: str | None,
+                           device: str | torch.device = "cpu") -> str | None:
+    """The middle drafter's runtime: ``same`` / None -> the target's; ``auto`` -> ``int8`` where its
+    AVX-512 VNNI kernel runs on ``device`` and the target has a runtime (not a stock dtype), else the
+    target's; a name -> that runtime (checked)."""
+    if middle_runtime in (None, "same"):
+        return target_runtime
+    if middle_runtime == "auto":
+        if target_runtime is not None and runtime_unavailable("int8", device) is None:
+            return "int8"
+        return target_runtime
+    if middle_runtime not in RUNTIMES:
+        raise ValueError(f"unknown middle_runtime {middle_runtime!r}; expected auto, same or one of {', '.join(RUNTIMES)}")
+    return middle_runtime
