@@ -229,7 +229,8 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     pair = load_pair(pair_spec(pair_name), device=p.device, models_dir=cfg.paths.models_dir,
-                     runtime=effective_runtime(cfg.runtime, p.dtype), cache_dir=cfg.paths.cache_dir, log=console.print)
+                     runtime=effective_runtime(cfg.runtime, p.dtype), cache_dir=cfg.paths.cache_dir, log=console.print,
+                     middle_runtime=cfg.get("middle_runtime", "same"))
     decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree),
                                cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True)
     budget = decoder.budget()
@@ -240,11 +241,12 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     from ..decoding.budget import cached_verify_curve
 
     curve = cached_verify_curve(pair.target, cfg.paths.cache_dir)  # the report's figure, and budget=auto's
-    atomic_write_json({"pair": pair_name, "runtime": pair.runtime, **cpu_info(), "budget": budget,
+    atomic_write_json({"pair": pair_name, "runtime": pair.runtime, "middle_runtime": pair.middle_runtime,
+                       **cpu_info(), "budget": budget,
                        "budget_setting": str(cfg.tree.budget), "tree_shape": cfg.tree.shape,
                        "t_tgt_ms": t_tgt, "t_mid_ms": t_mid, "verify_curve": curve},
                       collect_dir / pair_name / "runtime.json")
-    console.print(f"[bold]{pair_name}[/]: runtime {pair.runtime}, planned B_ver={budget} ({cfg.tree.budget}), "
+    console.print(f"[bold]{pair_name}[/]: runtime {pair.runtime} (middle drafter {pair.middle_runtime}), planned B_ver={budget} ({cfg.tree.budget}), "
                   f"t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")
     jobs = [(b, qid, ids) for b, items in prompts.items() for qid, ids in items]
     todo = [job for job in jobs if not shard_path(collect_dir, pair_name, job[0], job[1]).exists()]

@@ -31,7 +31,11 @@ namespace {
 
 constexpr int64_t COLS = 16;  // output columns per group (one zmm of float32 / int32 accumulators)
 constexpr int ROW_BLOCK = 8;  // rows whose accumulators stay in registers together
-constexpr int64_t PREFETCH_LINES = 16;  // software prefetch distance in 64-byte lines, per weight stream
+// Software prefetch distance in 64-byte lines per weight stream: the more rows a tile computes per
+// line, the longer the lead the stream needs (measured on a Zen 5 EPYC, DRAM-resident weights: 8 rows
+// 13% faster with 32 lines than 16, 1-4 rows 2-5% slower).
+template <int M>
+constexpr int64_t prefetch_lines() { return M <= 4 ? 16 : 32; }
 constexpr int64_t CHUNK_BYTES = 384 * 1024;  // weight bytes per chunk of groups (stays in L2 for later row blocks)
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -64,7 +68,7 @@ inline void tile_bf16(const uint32_t* xp, int64_t K2, const uint16_t* wp, float*
     __m512bh w[S];
     #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (s * K2 + k + PREFETCH_LINES) * 32), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (s * K2 + k + prefetch_lines<M>()) * 32), _MM_HINT_T0);
       w[s] = (__m512bh)_mm512_loadu_si512(wp + (s * K2 + k) * 32);
     }
     #pragma GCC unroll 8
@@ -107,7 +111,7 @@ inline void tile_int8(const uint32_t* xq, int64_t K4, const int8_t* wp, float* y
     __m512i w[S];
     #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (s * K4 + k + PREFETCH_LINES) * 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (s * K4 + k + prefetch_lines<M>()) * 64), _MM_HINT_T0);
       w[s] = _mm512_loadu_si512(wp + (s * K4 + k) * 64);
     }
     #pragma GCC unroll 8
@@ -147,19 +151,21 @@ inline void block_int8(int rows, const uint32_t* xq, int64_t K4, const int8_t* w
 // for more rows (the accumulators of S x rows must fit the 32 vector registers with the S weights).
 inline int groups_per_tile(int rows) { return rows <= 6 ? 4 : 3; }
 
-// Run `tile(rows, x_rows, groups, g0)` over every chunk of groups and every row block of 8, chunk-major
+// Run `tile(rows, first_row, groups, g0)` over every chunk of groups and every row block, chunk-major
 // (each chunk of weights comes from memory once, later row blocks read it from L2).
 template <typename Tile>
 void for_each_tile(int64_t M, int64_t G, int64_t group_bytes, Tile tile) {
-  int first_rows = static_cast<int>(std::min<int64_t>(M, ROW_BLOCK));
-  int64_t S = groups_per_tile(first_rows);
-  int64_t per_chunk = M > ROW_BLOCK ? std::max<int64_t>(S, (CHUNK_BYTES / group_bytes) / S * S) : S;
+  // balanced row blocks of at most 8 (12 rows = 6 + 6, not 8 + 4: both blocks keep 4 weight streams)
+  int64_t blocks = ceil_div(M, ROW_BLOCK);
+  int64_t block_rows = ceil_div(M, blocks);
+  int64_t S = groups_per_tile(static_cast<int>(block_rows));
+  int64_t per_chunk = blocks > 1 ? std::max<int64_t>(S, (CHUNK_BYTES / group_bytes) / S * S) : S;
   int64_t chunks = ceil_div(G, per_chunk);
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       int64_t g_end = std::min<int64_t>(G, (c + 1) * per_chunk);
-      for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-        int rows = static_cast<int>(std::min<int64_t>(ROW_BLOCK, M - m0));
+      for (int64_t m0 = 0; m0 < M; m0 += block_rows) {
+        int rows = static_cast<int>(std::min<int64_t>(block_rows, M - m0));
         int s = groups_per_tile(rows);
         int64_t g = c * per_chunk;
         for (; g + s <= g_end; g += s) tile(rows, m0, s, g);
