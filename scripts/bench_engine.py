@@ -29,6 +29,7 @@ import gc
 import hashlib
 import json
 import random
+import re
 import statistics
 import sys
 import time
@@ -115,7 +116,7 @@ def variant_tree(tree: dict, method: str) -> dict:
     """The tree settings of ``method``, or of ``"<method>:key=value,key=value"`` (dotted keys, YAML values)."""
     if ":" not in method:
         return tree
-    overrides = method.split(":", 1)[1].split(",")
+    overrides = re.split(r",(?![^\[]*\])", method.split(":", 1)[1])  # commas inside [...] belong to a list value
     merged = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(overrides))
     return OmegaConf.to_container(merged, resolve=True)
 

@@ -171,6 +171,24 @@ def test_cost_model_recovers_per_call_costs():
     assert np.allclose(apply_cost_model(df, model), df["latency_measured_s"])
 
 
+def test_cost_model_reads_verification_off_the_curve():
+    """Verification is not linear in the tree size: with the measured curve as a feature, a latency that
+    follows the curve is recovered exactly (without it, a line through the curve is not)."""
+    rng = np.random.default_rng(3)
+    n = 400
+    curve = {1: 0.095, 2: 0.11, 4: 0.115, 8: 0.12, 16: 0.17, 32: 0.27}
+    df = pd.DataFrame({k: rng.integers(0, 20, n) for k in COST_FEATURES})
+    df["verified_nodes"] = rng.integers(0, 31, n)
+    from treegraft.models.runtime import curve_at
+
+    df["latency_measured_s"] = 0.01 + 0.04 * df["middle_calls"] + [curve_at(curve, b + 1) for b in df["verified_nodes"]]
+    df["step"] = 1
+    model = fit_cost_model(df, curve)
+    assert model["verify_curve_s"] == pytest.approx(1.0, rel=1e-6) and model["r2"] > 0.999999
+    assert np.allclose(apply_cost_model(df, json.loads(json.dumps(model))), df["latency_measured_s"])
+    assert fit_cost_model(df)["r2"] < model["r2"]
+
+
 def test_evaluate_records_every_method_with_zero_greedy_mismatches(smoke):
     cfg, out, *_ = smoke
     eval_cfg = compose("evaluate", ["experiment=smoke", f"paths.output_dir={out}"])

@@ -99,7 +99,7 @@ def test_nondestructive_grafting_keeps_the_branch_the_target_accepts(tiny_pair, 
         dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method="fixed", schedule=[0, 0, 1, 0, 0],
                                                                grafting=grafting, budget=63), eos_ids=set())
         monkeypatch.setattr(type(dec.ngram), "propose_kinds", oracle_propose)  # the small step's lookup
-        monkeypatch.setattr(type(dec.ngram), "copy_chain", lambda self, path, max_len=None: [])
+        monkeypatch.setattr(type(dec.ngram), "copy_chain_kinds", lambda self, path, max_len=None: [])
         dec._prefill(ids)
         dec.middle.reset(ids)
         _, stats = dec._turn(ids[-1], None)

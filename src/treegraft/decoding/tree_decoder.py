@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..drafters.middle import MiddleDrafter
-from ..drafters.ngram import COPY, NGramConfig, NGramDrafter
+from ..drafters.ngram import NGramConfig, NGramDrafter
 from ..drafters.vocab import SubsetHead, VocabSubset, frequent_tokens
 from ..model_io import (cache_length, forward_hidden, head_weight, keep_cache_positions, lm_logits, logit_softcap,
                         new_cache)
@@ -39,6 +39,10 @@ from .sampling import SamplingConfig
 from .verify import accept_greedy, accept_sampling
 
 __all__ = ["TreeConfig", "TreeGraftDecoder", "MethodPreset", "METHOD_PRESETS", "auto_shape"]
+
+# verification computes the LM head in one batch for a row and its best-scored descendants while the
+# parent's acceptance probability is at least this: an extra row in a batch costs ~1/13 of a lone row
+LIKELY_ROW_P = 0.08
 
 
 @dataclass(frozen=True)
@@ -221,7 +225,7 @@ class TreeGraftDecoder:
         self._budget: int | None = None if self.cfg.budget == "auto" else int(self.cfg.budget)
         self.planner: BudgetPlanner | None = None
         self._prefill_head: SubsetHead | None = None  # ngram.prefill_vocab's restricted head of the target
-        self._al_mean = 0.0  # running mean of AL: how many likely-path rows verification prefetches
+        self.turn_signals = {"recent_al": 0.0, "recent_target_conf": 0.0}  # the scheduler's view of past turns
         self.scheduler: Scheduler = scheduler or FixedScheduler(self.cfg.actions())
         # runtime context of the scheduler state (ms per target verification / middle forward),
         # measured by a warm-up; 0 = unknown
@@ -320,6 +324,9 @@ class TreeGraftDecoder:
                 lps.append(v.cpu())
             top_ids, top_lps = torch.cat(ids), torch.cat(lps)
         self.ngram.reset(prompt_ids, top_ids, top_lps)
+        # the target's confidence on the prompt's last positions stands in for past turns' (first turn)
+        conf = float(top_lps[-16:, 0].exp().mean()) if len(top_lps) else 0.0
+        self.turn_signals = {"recent_al": 0.0, "recent_target_conf": conf}
         if self.middle is not None:
             self.middle.reset(prompt_ids, encode=self._eager_middle_prefill)
 
@@ -331,11 +338,11 @@ class TreeGraftDecoder:
         kinds = self._small_kinds
         if nodes == [0] and self.cfg.ngram.copy_len:  # a copy chain under the root, before its other children
             parent = 0
-            for token, score in self.ngram.copy_chain([]):
+            for token, score, kind in self.ngram.copy_chain_kinds([]):
                 if len(tree) >= cap:
                     break
                 parent = tree.add_child(parent, token, score, SMALL, step)
-                kinds.setdefault(parent, COPY)
+                kinds.setdefault(parent, kind)
         for node in nodes:
             children, _ = self.ngram.propose_kinds(tree.path_tokens(node), m)
             for token, score, kind in children:
@@ -459,7 +466,7 @@ class TreeGraftDecoder:
                 best = min(frontier, key=lambda n: (-tree.cum[n], tree.depth[n], n))
                 children, match = self.ngram.propose(tree.path_tokens(best), self.shape()[1])
                 top1 = children[0][1] if children else None
-            signals = tree_signals(tree, step, self.shape()[0], match, top1)
+            signals = tree_signals(tree, step, self.shape()[0], match, top1, self.turn_signals)
         return StepState(step=step, depth=self.cfg.depth, history=list(history), prompt_len=self.prompt_len,
                          t_tgt_ms=self.t_tgt_ms, t_mid_ms=self.t_mid_ms, signals=signals)
 
@@ -583,8 +590,9 @@ class TreeGraftDecoder:
         Returns ``(inputs, acceptance)``. The target cache then holds the context plus every verified
         row; the caller keeps the accepted rows (``keep_cache_positions``) or drops them all
         (``truncate_cache(cache, int(inputs.position_ids[0]))``). The LM head runs only on the rows
-        acceptance visits: the likely path (the root and its best-scored descendants, as many as the
-        recent mean AL suggests) in one batch, any other row when the walk reaches it.
+        acceptance visits, in batches: the root and the chain of its best-scored descendants likely to be
+        accepted (``LIKELY_ROW_P``) at once, and where the walk leaves that chain, the row it reaches
+        together with that row's own likely chain.
         """
         kept = prune_to_budget(tree, self.budget_for(tree))
         start = time.perf_counter()
@@ -597,19 +605,31 @@ class TreeGraftDecoder:
         hidden = forward_hidden(
             self.target, self.cache, inputs.tokens.to(self.device), inputs.position_ids.to(self.device), allowed
         )
-        likely = [0]
-        while len(likely) < 1 + round(self._al_mean) and inputs.child_rows[likely[-1]]:
-            kids = inputs.child_rows[likely[-1]].values()
-            likely.append(max(kids, key=lambda r: (tree.cum[inputs.node_ids[r]], -r)))
-        rows = dict(zip(likely, lm_logits(self.target, hidden[likely])))
         stats["target_forward_s"] += time.perf_counter() - fwd
+        # The LM head streams its whole weight for one row as for twenty (a 1.5B head: 13 ms for 1 row,
+        # 18 for 11), so rows go in batches: a row and the chain of its best-scored descendants that
+        # acceptance is likely to reach (a parent accepted with probability >= LIKELY_ROW_P).
+        p_accept = self.planner.acceptance.p if self.planner is not None else math.exp
+        rows: dict[int, torch.Tensor] = {}
+
+        def likely_chain(row: int) -> list[int]:
+            chain = [row]
+            while inputs.child_rows[chain[-1]]:
+                best = max(inputs.child_rows[chain[-1]].values(), key=lambda r: (tree.cum[inputs.node_ids[r]], -r))
+                if p_accept(tree.cum[inputs.node_ids[best]]) < LIKELY_ROW_P:
+                    break
+                chain.append(best)
+            return chain
 
         def row_logits(row: int) -> torch.Tensor:
             if row not in rows:
                 t0 = time.perf_counter()
-                rows[row] = lm_logits(self.target, hidden[row])
+                batch = [r for r in likely_chain(row) if r not in rows]
+                rows.update(zip(batch, lm_logits(self.target, hidden[batch])))
                 stats["target_forward_s"] += time.perf_counter() - t0
             return rows[row]
+
+        row_logits(0)
 
         if self.sampling.greedy:
             acc = accept_greedy(inputs, row_logits)
@@ -642,14 +662,17 @@ class TreeGraftDecoder:
         start = time.perf_counter()
         self.ngram.observe(self._ngram_outcomes(tree, set(inputs.node_ids), path_nodes, emitted))
         self.ngram.append(emitted)
+        logp = torch.log_softmax(torch.stack(acc.logits).float(), dim=-1)
+        v, i = logp.topk(self.cfg.ngram.top_m, dim=-1)
         if self.cfg.ngram.extend_cache:
-            logp = torch.log_softmax(torch.stack(acc.logits), dim=-1)
-            v, i = logp.topk(self.cfg.ngram.top_m, dim=-1)
             self.ngram.set_scores(L, i.cpu(), v.cpu())
         stats["small_s"] += time.perf_counter() - start
         if self.middle is not None:
             self.middle.commit(path_nodes, path_tokens)
-        self._al_mean = 0.8 * self._al_mean + 0.2 * acc.accepted
+        conf = float(v[:, 0].exp().mean())  # the target's top-1 probability at the accepted positions
+        recent = self.turn_signals
+        self.turn_signals = {"recent_al": 0.5 * recent["recent_al"] + 0.5 * acc.accepted,
+                             "recent_target_conf": 0.5 * recent["recent_target_conf"] + 0.5 * conf}
         if self.planner is not None:  # learn acceptance by path score, and this turn's costs
             self.planner.acceptance.update(tree, prune_order(tree), set(inputs.node_ids[1:]), path_nodes[1:], emitted,
                                            self.sampling.greedy)

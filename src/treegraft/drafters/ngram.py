@@ -34,9 +34,17 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NGramConfig", "NGramDrafter", "COPY"]
+__all__ = ["NGramConfig", "NGramDrafter", "COPY", "copy_kind"]
 
-COPY = ("copy",)  # the kind of a copy chain's tokens
+COPY = ("copy",)  # the kind of a copy chain's tokens (prefix of every copy kind: ("copy", order, first|next))
+
+
+def copy_kind(order: int, first: bool) -> tuple:
+    """The kind of a copy chain's token: the matched order (capped at 4) and whether it is the chain's
+    first token. A chain's first token is accepted about as often as copying is going on at all; a later
+    one, given its parent was accepted, far more often (the text is being copied): one rate for both
+    would make the planner verify either too little of a running copy or too much of a stray one."""
+    return (*COPY, min(int(order), 4), "first" if first else "next")
 
 
 @dataclass
@@ -118,7 +126,10 @@ class NGramDrafter:
     def rate(self, kind: tuple) -> float:
         """P(a child of this kind is accepted | its parent was): observed, with a prior of weight 2."""
         hits, seen = self.rates.get(kind, (0.0, 0.0))
-        prior = 0.5 if kind == COPY else 0.3
+        if kind[: len(COPY)] == COPY:
+            prior = 0.8 if kind[-1] == "next" else 0.5
+        else:
+            prior = 0.3
         return (hits + 2 * prior) / (seen + 2)
 
     def observe(self, outcomes: list[tuple[tuple, bool]]) -> None:
@@ -177,6 +188,10 @@ class NGramDrafter:
     def copy_chain(self, path: list[int], max_len: int | None = None) -> list[tuple[int, float]]:
         """The tokens that followed the most recent occurrence of the longest n-gram (order >=
         ``copy_min_order``) ending context + path, as (token, score) pairs; [] when there is none."""
+        return [(token, score) for token, score, _ in self.copy_chain_kinds(path, max_len)]
+
+    def copy_chain_kinds(self, path: list[int], max_len: int | None = None) -> list[tuple[int, float, tuple]]:
+        """:meth:`copy_chain` with each token's :func:`copy_kind`; calibrated scores are per kind."""
         max_len = self.cfg.copy_len if max_len is None else max_len
         if max_len <= 0:
             return []
@@ -184,7 +199,6 @@ class NGramDrafter:
         n_max = self.cfg.max_n
         tail = (toks[-n_max:] + path)[-n_max:]
         last = len(toks) - 1
-        copy_score = math.log(self.rate(COPY))
         calibrated = self.cfg.scoring == "calibrated"
         for n in range(min(n_max, len(tail)), self.cfg.copy_min_order - 1, -1):
             ends = [e for e in self.index[n].get(tuple(tail[-n:]), ()) if e < last]
@@ -194,6 +208,8 @@ class NGramDrafter:
             chain = []
             for pos in range(start, min(last, start + max_len)):
                 token = toks[pos + 1]
-                chain.append((token, copy_score if calibrated else max(self._score(pos, token), copy_score)))
+                kind = copy_kind(n, pos == start)
+                copy_score = math.log(self.rate(kind))
+                chain.append((token, copy_score if calibrated else max(self._score(pos, token), copy_score), kind))
             return chain
         return []

@@ -95,24 +95,40 @@ def enumeration_rows(en: TurnEnumeration, depth: int, meta: dict) -> list[dict]:
     return rows
 
 
-def fit_cost_model(rows: pd.DataFrame) -> dict:
-    """Per-call costs: latency = c0 + sum_k c_k * feature_k (non-negative least squares over schedules)."""
+def _cost_matrix(rows: pd.DataFrame, curve: dict | None) -> tuple[np.ndarray, list[str]]:
+    """The cost model's features: per-call counts, plus the target's measured verification time for
+    the schedule's tree size (``curve`` seconds per row count: verification is not linear in nodes)."""
+    names = list(COST_FEATURES)
+    x = rows[names].to_numpy(np.float64)
+    if curve:
+        from ..models.runtime import curve_at
+
+        points = {int(k): float(v) for k, v in curve.items()}
+        verify = np.array([curve_at(points, int(n) + 1) for n in rows["verified_nodes"]], dtype=np.float64)
+        x = np.concatenate([x, verify[:, None]], axis=1)
+        names.append("verify_curve")
+    return x, names
+
+
+def fit_cost_model(rows: pd.DataFrame, curve: dict | None = None) -> dict:
+    """Per-call costs: latency = c0 + sum_k c_k * feature_k (non-negative least squares over schedules);
+    with ``curve`` (the target's verification curve) one feature is the curve at the schedule's tree size."""
     from sklearn.linear_model import LinearRegression
 
     per_schedule = rows[rows["step"] == 1]  # one row per (turn, schedule)
-    x = per_schedule[list(COST_FEATURES)].to_numpy(np.float64)
+    x, names = _cost_matrix(per_schedule, curve)
     y = per_schedule["latency_measured_s"].to_numpy(np.float64)
     reg = LinearRegression(positive=True).fit(x, y)
     pred = reg.predict(x)
     r2 = 1 - np.sum((y - pred) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-18)
-    return {"intercept_s": float(reg.intercept_), **{f"{k}_s": float(c) for k, c in zip(COST_FEATURES, reg.coef_)},
-            "r2": float(r2), "schedules": int(len(per_schedule))}
+    return {"intercept_s": float(reg.intercept_), **{f"{k}_s": float(c) for k, c in zip(names, reg.coef_)},
+            "r2": float(r2), "schedules": int(len(per_schedule)),
+            "verify_curve": {str(k): float(v) for k, v in curve.items()} if curve else None}
 
 
 def apply_cost_model(rows: pd.DataFrame, model: dict) -> np.ndarray:
-    lat = np.full(len(rows), model["intercept_s"])
-    for k in COST_FEATURES:
-        lat = lat + model[f"{k}_s"] * rows[k].to_numpy(np.float64)
+    x, names = _cost_matrix(rows, model.get("verify_curve"))
+    lat = np.full(len(rows), model["intercept_s"]) + x @ np.array([model[f"{k}_s"] for k in names])
     return np.maximum(lat, 1e-6)
 
 
@@ -309,7 +325,8 @@ def run_collect(cfg, progress=None) -> pd.DataFrame:
             _collect_pair(cfg, pair_name, out_dir, console, progress)
         pair_rows = load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name)
         if not collected:
-            atomic_write_json(fit_cost_model(pair_rows), out_dir / pair_name / "cost_model.json")
+            curve = json.loads((out_dir / pair_name / "runtime.json").read_text()).get("verify_curve")
+            atomic_write_json(fit_cost_model(pair_rows, curve), out_dir / pair_name / "cost_model.json")
         summary += collect_summary(pair_rows, int(cfg.tree.depth))
     df = pd.DataFrame(summary)
     from .artifacts import atomic_write_text

@@ -1,8 +1,15 @@
 """Tree signals: cheap numeric summaries of the draft tree before a step's action (SPEC 5.1).
 
-Every signal is a pure function of the tree, the step's frontier and (for two of them) the
+Every tree signal is a pure function of the tree, the step's frontier and (for two of them) the
 n-gram drafter's proposal at the best frontier node. ``tree_signals`` returns them all as a named
 vector; non-finite values become 0. The first six are the reference implementation's selection.
+
+Two more candidates (our addition, :data:`TURN_SIGNALS`) summarise the decoder's previous turns,
+whatever drafter made them, so a policy can tell predictable stretches of text from hard ones
+before it builds anything: ``recent_al``, a running mean of the accepted length, and
+``recent_target_conf``, a running mean of the target's top-1 probability at the positions it
+verified and accepted (at the prompt's last positions before the first turn). Neither depends on
+which schedule the previous turns used beyond what they accepted.
 
 frontier: the nodes the next small step would expand from (created at the previous step; the root
 at step 1). picks: the top-W alive unvisited nodes by current ``cum``, i.e. what a middle step with
@@ -13,9 +20,9 @@ from __future__ import annotations
 
 import math
 
-from ..tree import DraftTree
+from ..tree import MIDDLE, DraftTree
 
-__all__ = ["SIGNAL_NAMES", "REFERENCE_SIGNALS", "tree_signals", "frontier_of", "preview_picks"]
+__all__ = ["SIGNAL_NAMES", "REFERENCE_SIGNALS", "TURN_SIGNALS", "tree_signals", "frontier_of", "preview_picks"]
 
 REFERENCE_SIGNALS = (
     "depth_before",
@@ -25,6 +32,7 @@ REFERENCE_SIGNALS = (
     "pre_reselect_overlap",
     "pre_reselect_score",
 )
+TURN_SIGNALS = ("recent_al", "recent_target_conf")
 SIGNAL_NAMES = REFERENCE_SIGNALS + (
     "node_count",
     "frontier_cum_mean",
@@ -32,7 +40,9 @@ SIGNAL_NAMES = REFERENCE_SIGNALS + (
     "unvisited_count",
     "ngram_match_len",
     "small_top1_prob",
-)
+    "max_depth",
+    "mid_node_share",
+) + TURN_SIGNALS
 
 
 def frontier_of(tree: DraftTree, step: int) -> list[int]:
@@ -57,12 +67,14 @@ def _finite(x: float) -> float:
 
 
 def tree_signals(
-    tree: DraftTree, step: int, width: int, ngram_match_len: int = 0, small_top1_logprob: float | None = None
+    tree: DraftTree, step: int, width: int, ngram_match_len: int = 0, small_top1_logprob: float | None = None,
+    turn_signals: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """All candidate signals as ``{name: value}`` in ``SIGNAL_NAMES`` order.
 
     ``ngram_match_len`` / ``small_top1_logprob``: the n-gram drafter's longest matched order and
     best score at the best frontier node (the caller has the drafter; 0 / None when unknown).
+    ``turn_signals``: the decoder's :data:`TURN_SIGNALS` (0 when not given).
     """
     frontier = frontier_of(tree, step)
     picks = preview_picks(tree, width)
@@ -85,5 +97,8 @@ def tree_signals(
         "unvisited_count": float(sum(1 for n in range(len(tree)) if tree.alive[n] and not tree.visited[n])),
         "ngram_match_len": float(ngram_match_len),
         "small_top1_prob": math.exp(small_top1_logprob) if small_top1_logprob is not None else 0.0,
+        "max_depth": float(max((d for d, a in zip(tree.depth, tree.alive) if a), default=0)),
+        "mid_node_share": _mean(1.0 if c == MIDDLE else 0.0 for c, a in zip(tree.creator[1:], tree.alive[1:]) if a),
+        **{name: float((turn_signals or {}).get(name, 0.0)) for name in TURN_SIGNALS},
     }
     return {name: _finite(float(values[name])) for name in SIGNAL_NAMES}
