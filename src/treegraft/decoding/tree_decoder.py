@@ -40,6 +40,9 @@ from .verify import accept_greedy, accept_sampling
 
 __all__ = ["TreeConfig", "TreeGraftDecoder", "MethodPreset", "METHOD_PRESETS", "auto_shape"]
 
+# a shared middle step computes the head rows of its rescoring parents and selection pool in one batch
+# when there are at most this many (else the pool's rows wait for the selection)
+ONE_HEAD_BATCH = 8
 # verification computes the LM head in one batch for a row and its best-scored descendants while the
 # parent's acceptance probability is at least this: an extra row in a batch costs ~1/13 of a lone row
 LIKELY_ROW_P = 0.08
@@ -420,8 +423,12 @@ class TreeGraftDecoder:
         scope = self._rescore_scope(tree)
         in_scope = set(scope)
         parents = [n for n in scope if any(c in in_scope for c in tree.children[n].values())]
-        # one incremental forward over every scope node not yet encoded; q_m at every scope parent
-        mid.encode(tree, scope, need_logprobs=parents)
+        # one incremental forward over every scope node not yet encoded; q_m at every scope parent, and
+        # where the selection pool is small, at every pool node too: one LM-head batch instead of two
+        # (a lone head row streams the whole head; a few more rows in the batch cost little)
+        pool = self._middle_pool(tree, step, scope)
+        need = sorted(set(parents) | set(pool))
+        mid.encode(tree, scope, need_logprobs=need if len(need) <= ONE_HEAD_BATCH else parents)
         for n in scope[1:]:  # asymmetric scoring: the middle drafter recomputes every edge and cum in scope
             tree.edge[n] = mid.logprobs[tree.parent[n]].score(tree.token[n])
         tree.recompute_cum(0)
