@@ -473,7 +473,11 @@ class TreeGraftDecoder:
                 best = min(frontier, key=lambda n: (-tree.cum[n], tree.depth[n], n))
                 children, match = self.ngram.propose(tree.path_tokens(best), self.shape()[1])
                 top1 = children[0][1] if children else None
-            signals = tree_signals(tree, step, self.shape()[0], match, top1, self.turn_signals)
+            extra = dict(self.turn_signals)
+            if self.planner is not None:  # what the tree promises now, at the size the planner would verify
+                order = prune_order(tree)
+                extra["expected_al"] = self.planner.expected_al(tree, order)[self.planner.choose(tree, order)]
+            signals = tree_signals(tree, step, self.shape()[0], match, top1, extra)
         return StepState(step=step, depth=self.cfg.depth, history=list(history), prompt_len=self.prompt_len,
                          t_tgt_ms=self.t_tgt_ms, t_mid_ms=self.t_mid_ms, signals=signals)
 

@@ -9,7 +9,10 @@ whatever drafter made them, so a policy can tell predictable stretches of text f
 before it builds anything: ``recent_al``, a running mean of the accepted length, and
 ``recent_target_conf``, a running mean of the target's top-1 probability at the positions it
 verified and accepted (at the prompt's last positions before the first turn). Neither depends on
-which schedule the previous turns used beyond what they accepted.
+which schedule the previous turns used beyond what they accepted. ``expected_al`` (also ours) is the
+budget planner's expected accepted length of the tree as it stands, at the size it would verify now
+(:meth:`~treegraft.decoding.budget.BudgetPlanner.expected_al`): how much the tree already promises,
+whichever drafter built it, on the planner's calibrated scale.
 
 frontier: the nodes the next small step would expand from (created at the previous step; the root
 at step 1). picks: the top-W alive unvisited nodes by current ``cum``, i.e. what a middle step with
@@ -22,7 +25,7 @@ import math
 
 from ..tree import MIDDLE, DraftTree
 
-__all__ = ["SIGNAL_NAMES", "REFERENCE_SIGNALS", "TURN_SIGNALS", "tree_signals", "frontier_of", "preview_picks"]
+__all__ = ["SIGNAL_NAMES", "REFERENCE_SIGNALS", "TURN_SIGNALS", "PLANNER_SIGNALS", "tree_signals", "frontier_of", "preview_picks"]
 
 REFERENCE_SIGNALS = (
     "depth_before",
@@ -33,6 +36,8 @@ REFERENCE_SIGNALS = (
     "pre_reselect_score",
 )
 TURN_SIGNALS = ("recent_al", "recent_target_conf")
+# computed by the decoder's budget planner on the tree as it stands (0 without ``budget=auto``)
+PLANNER_SIGNALS = ("expected_al",)
 SIGNAL_NAMES = REFERENCE_SIGNALS + (
     "node_count",
     "frontier_cum_mean",
@@ -42,7 +47,7 @@ SIGNAL_NAMES = REFERENCE_SIGNALS + (
     "small_top1_prob",
     "max_depth",
     "mid_node_share",
-) + TURN_SIGNALS
+) + TURN_SIGNALS + PLANNER_SIGNALS
 
 
 def frontier_of(tree: DraftTree, step: int) -> list[int]:
@@ -74,7 +79,7 @@ def tree_signals(
 
     ``ngram_match_len`` / ``small_top1_logprob``: the n-gram drafter's longest matched order and
     best score at the best frontier node (the caller has the drafter; 0 / None when unknown).
-    ``turn_signals``: the decoder's :data:`TURN_SIGNALS` (0 when not given).
+    ``turn_signals``: the decoder's :data:`TURN_SIGNALS` and :data:`PLANNER_SIGNALS` (0 when not given).
     """
     frontier = frontier_of(tree, step)
     picks = preview_picks(tree, width)
@@ -99,6 +104,6 @@ def tree_signals(
         "small_top1_prob": math.exp(small_top1_logprob) if small_top1_logprob is not None else 0.0,
         "max_depth": float(max((d for d, a in zip(tree.depth, tree.alive) if a), default=0)),
         "mid_node_share": _mean(1.0 if c == MIDDLE else 0.0 for c, a in zip(tree.creator[1:], tree.alive[1:]) if a),
-        **{name: float((turn_signals or {}).get(name, 0.0)) for name in TURN_SIGNALS},
+        **{name: float((turn_signals or {}).get(name, 0.0)) for name in TURN_SIGNALS + PLANNER_SIGNALS},
     }
     return {name: _finite(float(values[name])) for name in SIGNAL_NAMES}
