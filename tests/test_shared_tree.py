@@ -130,6 +130,12 @@ def test_signals_on_a_hand_built_tree():
     assert s["pre_reselect_score"] == pytest.approx(-0.625)
     assert s["node_count"] == 5 and s["unvisited_count"] == 4
     assert s["ngram_match_len"] == 2 and s["small_top1_prob"] == pytest.approx(0.5)
+    assert s["max_depth"] == 2 and s["mid_node_share"] == 0.0
+    assert s["recent_al"] == 0 and s["recent_target_conf"] == 0 and s["expected_al"] == 0  # none given
+    t.add_child(a1, 5, -0.1, MIDDLE, 3)
+    given = tree_signals(t, step=3, width=2, turn_signals={"recent_al": 2.5, "recent_target_conf": 0.75, "expected_al": 1.5})
+    assert given["max_depth"] == 3 and given["mid_node_share"] == pytest.approx(0.2)
+    assert (given["recent_al"], given["recent_target_conf"], given["expected_al"]) == (2.5, 0.75, 1.5)
     # at step 1 the frontier is the root; a non-finite cum becomes 0
     t.cum[b] = float("-inf")
     s1 = tree_signals(t, step=1, width=10)
@@ -191,3 +197,31 @@ def test_skipping_steps_beyond_the_budget_keeps_the_same_verified_tree(tiny_pair
         saved_any |= runs[True][1] < runs[False][1]
     if method != "all_small" and budget <= 1:
         assert saved_any, "a budget of 0 or 1 node should let some middle calls go"
+
+
+def test_turn_and_planner_signals_follow_the_decoding(tiny_pair, tmp_path):
+    """recent_al / recent_target_conf start from the prompt (0, the target's confidence on its last
+    positions) and then follow each turn's AL and the target's top-1 probability at the accepted
+    positions; expected_al is the budget planner's value for the tree at that step."""
+    tok = tiny_pair.tokenizer
+    seen = []
+
+    class Recorder(FixedScheduler):
+        needs_signals = True
+
+        def decide(self, state):
+            seen.append(dict(state.signals))
+            return 0
+
+    dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig(method="fixed", budget="auto"),
+                           scheduler=Recorder([0] * 5), cache_dir=tmp_path)
+    ids = tok("abab abab abab ab").input_ids
+    result = dec.generate(ids, 12)
+    first = seen[0]
+    assert first["recent_al"] == 0 and 0 < first["recent_target_conf"] <= 1
+    al = 0.0
+    for turn in result.turns[:-1]:
+        al = 0.5 * al + 0.5 * turn["accepted"]
+    assert dec.turn_signals["recent_al"] == pytest.approx(0.5 * al + 0.5 * result.turns[-1]["accepted"])
+    assert 0 < dec.turn_signals["recent_target_conf"] <= 1
+    assert all(s["expected_al"] >= 0 for s in seen) and any(s["expected_al"] > 0 for s in seen)
