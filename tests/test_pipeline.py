@@ -48,8 +48,10 @@ def test_smoke_pipeline_writes_every_artifact(smoke):
                 "distill/scheduler.meta.json", "distill/offline_eval.md", "distill/distill.json"]:
         assert (base / rel).is_file(), rel
     table = pd.read_csv(base / "distill" / "offline_eval.csv")
-    oracle = table.set_index("policy").loc["oracle", "mean_tau"]
-    assert (table["mean_tau"] <= oracle + 1e-9).all()  # nothing beats the per-turn oracle
+    assert set(table["pair"]) == {"tiny-random", "all pairs"}  # per pair, and pooled
+    pooled = table[table["pair"] == "all pairs"].set_index("policy")
+    assert (pooled["mean_tau"] <= pooled.loc["oracle", "mean_tau"] + 1e-9).all()  # nothing beats the per-turn oracle
+    assert pooled.loc["oracle", "pct_of_oracle"] == pytest.approx(100.0)
     assert distill_info["ms_per_decision_scheduler"] < 1.0
     assert json.loads((base / "fit" / "selection.json").read_text())["chosen_signals"] == fit_info["chosen_signals"]
 

@@ -114,19 +114,23 @@ def run_distill(cfg: DictConfig) -> dict:
             "TreeGraft scheduler (distilled)": (vs.signals, lambda x, t, m=pred_k: (m.predict(x) > float(s.threshold)).astype(int)),
             "direct planner (value system)": (vs.signals, lambda x, t, v=vs_k: (plan_margins(v, x, np.full(len(x), t)) > 0).astype(int)),
         }
-        tables.append(evaluate_policies(test, depth, policies, train_rows=train).assign(fold=k))
+        for pair_name, test_pair in test.groupby("pair", sort=False):  # per pair: the table reports each
+            tables.append(evaluate_policies(test_pair, depth, policies, train_rows=train).assign(fold=k, pair=pair_name))
     per_fold = pd.concat(tables, ignore_index=True)
-    # pool the folds: turn-weighted means (the best fixed schedule may differ per fold)
+    # pool the folds: turn-weighted means per pair and over every pair (the best fixed schedule may differ per fold)
     per_fold["policy_group"] = per_fold["policy"].str.replace(r"best fixed \[\d+\]", "best fixed", regex=True)
     agg = []
-    for name, g in per_fold.groupby("policy_group", sort=False):
-        w = g["turns"].to_numpy()
-        row = {"policy": name}
-        for c in ("mean_tau", "gap_to_oracle", "gap_pct", "at_oracle", "call_rate"):
-            row[c] = float(np.average(g[c], weights=w))
-        row["turns"] = int(w.sum())
-        agg.append(row)
+    for pair_name, pf in [*per_fold.groupby("pair", sort=False), ("all pairs", per_fold)]:
+        for name, g in pf.groupby("policy_group", sort=False):
+            w = g["turns"].to_numpy()
+            row = {"pair": pair_name, "policy": name}
+            for c in ("mean_tau", "gap_to_oracle", "gap_pct", "at_oracle", "call_rate"):
+                row[c] = float(np.average(g[c], weights=w))
+            row["turns"] = int(w.sum())
+            agg.append(row)
     table = pd.DataFrame(agg)
+    oracle = table[table["policy"] == "oracle"].set_index("pair")["mean_tau"]
+    table.insert(3, "pct_of_oracle", 100 * table["mean_tau"] / table["pair"].map(oracle))
     atomic_write_text(table.to_csv(index=False), out_dir / "offline_eval.csv")
     atomic_write_text(per_fold.to_csv(index=False), out_dir / "offline_eval_per_fold.csv")
     atomic_write_text(to_markdown(table), out_dir / "offline_eval.md")

@@ -242,6 +242,8 @@ def make_figures(exp_dir: Path, out_dir: Path | None = None) -> list[Path]:
     offline = exp_dir / "distill" / "offline_eval.csv"
     if offline.exists():
         t = pd.read_csv(offline)
+        if "pair" in t:  # the pooled rows (every pair's held-out reports)
+            t = t[t["pair"] == "all pairs"]
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.barh(t["policy"], t["mean_tau"])
         ax.set_xlabel("mean tokens/s per turn (held-out reports)")
