@@ -83,10 +83,10 @@ def test_runtime_auto_prints_its_choice_once(tmp_path):
 
 
 def test_unknown_runtime_is_one_line():
-    proc = run_generate("pair=tiny-random", "prompt=hi", "runtime=int8")
+    proc = run_generate("pair=tiny-random", "prompt=hi", "runtime=int3")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: unknown runtime 'int8'; expected auto or one of float32, bfloat16, float32_packed, bfloat16_packed, int4"
+        "error: unknown runtime 'int3'; expected auto or one of float32, bfloat16, float32_packed, bfloat16_packed, int4, int8"
     ]
 
 
