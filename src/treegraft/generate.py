@@ -87,7 +87,7 @@ def run(cfg: DictConfig) -> int:
     runtime = effective_runtime(cfg.runtime, cfg.dtype)
     pair = load_pair(pair_spec, device=cfg.device, models_dir=cfg.paths.models_dir, runtime=runtime,
                      cache_dir=cfg.paths.cache_dir, log=lambda line: print(line, file=sys.stderr),
-                     middle_runtime=cfg.get("middle_runtime", "same"))
+                     middle_runtime=cfg.middle_runtime)
     tokenizer = pair.tokenizer
     prompt = format_prompt(tokenizer, text) if cfg.chat_template else text
     prompt_ids = tokenizer(prompt, add_special_tokens=not cfg.chat_template).input_ids

@@ -182,7 +182,10 @@ class BudgetPlanner:
 
     def choose(self, tree: DraftTree, order: list[int] | None = None) -> int:
         """B* for this tree (0 = verify the root alone: a plain decoding step)."""
-        al = self.expected_al(tree, order)
+        return self.best_budget(self.expected_al(tree, order))
+
+    def best_budget(self, al: list[float]) -> int:
+        """B* for a tree whose E[AL(B)] is ``al`` (:meth:`expected_al`)."""
         draft = self.draft_s or 0.0
         return max(range(len(al)), key=lambda b: ((1.0 + al[b]) / (draft + self.verify_s(b)), -b))
 

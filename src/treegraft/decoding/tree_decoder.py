@@ -432,7 +432,7 @@ class TreeGraftDecoder:
         for n in scope[1:]:  # asymmetric scoring: the middle drafter recomputes every edge and cum in scope
             tree.edge[n] = mid.logprobs[tree.parent[n]].score(tree.token[n])
         tree.recompute_cum(0)
-        selected = self._top_w(tree, self._middle_pool(tree, step, scope))
+        selected = self._top_w(tree, pool)  # rescoring changes scores, not who is in the pool
         mid.encode(tree, selected)  # already encoded: this only adds their log-probability rows
         stats["middle_forward_s"] += mid.forward_s - before
         m, cap = self.shape()[1], self.cfg.node_cap
@@ -475,8 +475,8 @@ class TreeGraftDecoder:
                 top1 = children[0][1] if children else None
             extra = dict(self.turn_signals)
             if self.planner is not None:  # what the tree promises now, at the size the planner would verify
-                order = prune_order(tree)
-                extra["expected_al"] = self.planner.expected_al(tree, order)[self.planner.choose(tree, order)]
+                al = self.planner.expected_al(tree)
+                extra["expected_al"] = al[self.planner.best_budget(al)]
             signals = tree_signals(tree, step, self.shape()[0], match, top1, extra)
         return StepState(step=step, depth=self.cfg.depth, history=list(history), prompt_len=self.prompt_len,
                          t_tgt_ms=self.t_tgt_ms, t_mid_ms=self.t_mid_ms, signals=signals)
@@ -620,7 +620,13 @@ class TreeGraftDecoder:
         # The LM head streams its whole weight for one row as for twenty (a 1.5B head: 13 ms for 1 row,
         # 18 for 11), so rows go in batches: a row and the chain of its best-scored descendants that
         # acceptance is likely to reach (a parent accepted with probability >= LIKELY_ROW_P).
-        p_accept = self.planner.acceptance.p if self.planner is not None else math.exp
+        if self.planner is not None:
+            acceptance, table = self.planner.acceptance, self.planner.acceptance.table()
+
+            def p_accept(cum: float) -> float:
+                return table[acceptance.bin_of(cum)]
+        else:
+            p_accept = math.exp
         rows: dict[int, torch.Tensor] = {}
 
         def likely_chain(row: int) -> list[int]:

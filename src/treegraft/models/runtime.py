@@ -204,12 +204,12 @@ class PackedLinear(nn.Module):
         # the dense weight stays reachable only where rows of it are read directly (the LM head:
         # restricted draft vocabularies); a tied head shares it with the embedding, so it costs nothing
         self.weight = weight if keep_weight else None
-        self.bias = None if bias is None else nn.Parameter(bias.detach().to(dtype).clone(), requires_grad=False)
         self.wide = avx512_kernels() if dtype == torch.bfloat16 else None
+        bias_dtype = torch.float32 if self.wide is not None else dtype  # the AVX-512 kernel adds a float32 bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(bias_dtype).clone(), requires_grad=False)
         self.packed = None
         if self.wide is not None:
             self.packed_bf16 = self.wide.pack_bf16(weight)
-            self.bias_f32 = None if bias is None else bias.detach().float().contiguous()
             return
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -232,7 +232,7 @@ class PackedLinear(nn.Module):
         lead = x.shape[:-1]
         x2 = _flatten(x, self.in_features)
         if self.wide is not None:  # float32 in (rounded to bf16 pairs inside), float32 out
-            y = self.wide.linear_bf16(x2.float().contiguous(), self.packed_bf16, self.out_features, self.bias_f32)
+            y = self.wide.linear_bf16(x2.float().contiguous(), self.packed_bf16, self.out_features, self.bias)
             return y.to(x.dtype).reshape(*lead, self.out_features)
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)

@@ -246,7 +246,7 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     pair = load_pair(pair_spec(pair_name), device=p.device, models_dir=cfg.paths.models_dir,
                      runtime=effective_runtime(cfg.runtime, p.dtype), cache_dir=cfg.paths.cache_dir, log=console.print,
-                     middle_runtime=cfg.get("middle_runtime", "same"))
+                     middle_runtime=cfg.middle_runtime)
     decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree),
                                cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True)
     budget = decoder.budget()

@@ -160,7 +160,7 @@ def run_key(cfg: DictConfig, pair: str, method: str, offset: int, artifacts: Pat
         e.pop(k, None)
     parts = {"pair": pair, "method": method, "offset": offset, "evaluation": e,
              "tree": OmegaConf.to_container(cfg.tree, resolve=True), "dtype": cfg.pipeline.dtype,
-             "runtime": cfg.runtime, "middle_runtime": cfg.get("middle_runtime", "same"), "cpu": cpu_line(),
+             "runtime": cfg.runtime, "middle_runtime": cfg.middle_runtime, "cpu": cpu_line(),
              "device": cfg.pipeline.device, "warmup_tokens": cfg.pipeline.warmup_tokens}
     if method in LEARNED_ARTIFACTS:
         parts["artifacts"] = {name: file_hash(artifacts / name) for name in LEARNED_ARTIFACTS[method]}
@@ -266,7 +266,7 @@ def run_evaluate(cfg: DictConfig, progress=None) -> pd.DataFrame:
             continue
         pair = load_pair(spec, device=p.device, models_dir=cfg.paths.models_dir,
                          runtime=effective_runtime(cfg.runtime, p.dtype), cache_dir=cfg.paths.cache_dir,
-                         log=console.print, middle_runtime=cfg.get("middle_runtime", "same"))
+                         log=console.print, middle_runtime=cfg.middle_runtime)
         units = {b: sum(len(method_prompts(cfg, m, prompts[b])) for m in methods if saved[b, m] is None)
                  for b in todo_benches}
         cost = {b: units[b] * (1 + sum(len(ids) for _, ids in prompts[b]) / 1000) for b in todo_benches}

@@ -54,96 +54,75 @@ inline void store_tile(const __m512* acc, int rows, float* y, int64_t N, int64_t
   }
 }
 
-// ---------------------------------------------------------------- bf16
-// xp: M rows of K2 = K / 2 uint32 (bf16 pairs); wp: S consecutive groups of [K2][16][2] bf16.
-template <int M, int S>
-inline void tile_bf16(const uint32_t* xp, int64_t K2, const uint16_t* wp, float* y, int64_t N, int64_t col0,
-                      const float* bias) {
-  __m512 acc[S][M];
+// One tile: S consecutive groups of 16 output columns x M rows (M <= 8), all accumulators in
+// registers. Both weight formats store one 64-byte line per group and step k (bf16: 16 columns x one
+// pair; int8: 16 columns x one quad), and x holds one uint32 per row and step (a bf16 pair or four
+// shifted int8), broadcast to every column: only the product instruction and the epilogue differ (Op).
+struct Bf16Op {
+  using Acc = __m512;
+  const float* bias;
+  static Acc zero() { return _mm512_setzero_ps(); }
+  static Acc dot(Acc acc, __m512i w, __m512i x) { return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x); }
+  void store(const Acc* acc, int rows, float* y, int64_t N, int64_t col0, int64_t) const {
+    store_tile(acc, rows, y, N, col0, nullptr, nullptr, bias);
+  }
+};
+
+struct Int8Op {
+  using Acc = __m512i;
+  const float* bias;
+  const int32_t* colsum;  // per column, padded to G * 16
+  const float* wscale;    // per column
+  const float* xscale;    // per row of x
+  static Acc zero() { return _mm512_setzero_si512(); }
+  static Acc dot(Acc acc, __m512i w, __m512i x) { return _mm512_dpbusd_epi32(acc, x, w); }
+  void store(const Acc* acc, int rows, float* y, int64_t N, int64_t col0, int64_t row0) const {
+    __m512i shift = _mm512_slli_epi32(_mm512_loadu_si512(colsum + col0), 7);  // 128 * colsum
+    __m512 out[ROW_BLOCK];
+    for (int m = 0; m < rows; ++m) out[m] = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m], shift));
+    store_tile(out, rows, y, N, col0, wscale, xscale + row0, bias);
+  }
+};
+
+// x: M rows of Kp uint32; w: S consecutive groups of Kp 64-byte lines; y and row0 at the tile's first row.
+template <class Op, int M, int S>
+inline void tile(const Op& op, const uint32_t* x, int64_t Kp, const char* w, float* y, int64_t N, int64_t col0,
+                 int64_t row0) {
+  typename Op::Acc acc[S][M];
   #pragma GCC unroll 8
   for (int s = 0; s < S; ++s)
     #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[s][m] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K2; ++k) {
-    __m512bh w[S];
+    for (int m = 0; m < M; ++m) acc[s][m] = Op::zero();
+  for (int64_t k = 0; k < Kp; ++k) {
+    __m512i ws[S];
     #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (s * K2 + k + prefetch_lines<M>()) * 32), _MM_HINT_T0);
-      w[s] = (__m512bh)_mm512_loadu_si512(wp + (s * K2 + k) * 32);
+      _mm_prefetch(w + (s * Kp + k + prefetch_lines<M>()) * 64, _MM_HINT_T0);
+      ws[s] = _mm512_loadu_si512(w + (s * Kp + k) * 64);
     }
     #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
-      __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xp[m * K2 + k]));
+      __m512i xb = _mm512_set1_epi32(static_cast<int>(x[m * Kp + k]));
       #pragma GCC unroll 8
-      for (int s = 0; s < S; ++s) acc[s][m] = _mm512_dpbf16_ps(acc[s][m], w[s], xb);
+      for (int s = 0; s < S; ++s) acc[s][m] = Op::dot(acc[s][m], ws[s], xb);
     }
   }
   #pragma GCC unroll 8
-  for (int s = 0; s < S; ++s) store_tile(acc[s], M, y, N, col0 + s * COLS, nullptr, nullptr, bias);
+  for (int s = 0; s < S; ++s) op.store(acc[s], M, y, N, col0 + s * COLS, row0);
 }
 
-template <int S>
-inline void block_bf16(int rows, const uint32_t* xp, int64_t K2, const uint16_t* wp, float* y, int64_t N,
-                       int64_t col0, const float* bias) {
+template <class Op, int S>
+inline void block(const Op& op, int rows, const uint32_t* x, int64_t Kp, const char* w, float* y, int64_t N,
+                  int64_t col0, int64_t row0) {
   switch (rows) {
-    case 1: tile_bf16<1, S>(xp, K2, wp, y, N, col0, bias); break;
-    case 2: tile_bf16<2, S>(xp, K2, wp, y, N, col0, bias); break;
-    case 3: tile_bf16<3, S>(xp, K2, wp, y, N, col0, bias); break;
-    case 4: tile_bf16<4, S>(xp, K2, wp, y, N, col0, bias); break;
-    case 5: tile_bf16<5, S>(xp, K2, wp, y, N, col0, bias); break;
-    case 6: tile_bf16<6, S>(xp, K2, wp, y, N, col0, bias); break;
-    case 7: tile_bf16<7, S>(xp, K2, wp, y, N, col0, bias); break;
-    default: tile_bf16<8, S>(xp, K2, wp, y, N, col0, bias); break;
-  }
-}
-
-// ---------------------------------------------------------------- int8
-// xq: M rows of K4 = K / 4 uint32 (four uint8 = int8 + 128); wp: S groups of [K4][16][4] int8.
-template <int M, int S>
-inline void tile_int8(const uint32_t* xq, int64_t K4, const int8_t* wp, float* y, int64_t N, int64_t col0,
-                      const int32_t* colsum, const float* wscale, const float* xscale, const float* bias) {
-  __m512i acc[S][M];
-  #pragma GCC unroll 8
-  for (int s = 0; s < S; ++s)
-    #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) acc[s][m] = _mm512_setzero_si512();
-  for (int64_t k = 0; k < K4; ++k) {
-    __m512i w[S];
-    #pragma GCC unroll 8
-    for (int s = 0; s < S; ++s) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + (s * K4 + k + prefetch_lines<M>()) * 64), _MM_HINT_T0);
-      w[s] = _mm512_loadu_si512(wp + (s * K4 + k) * 64);
-    }
-    #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      __m512i xb = _mm512_set1_epi32(static_cast<int>(xq[m * K4 + k]));
-      #pragma GCC unroll 8
-      for (int s = 0; s < S; ++s) acc[s][m] = _mm512_dpbusd_epi32(acc[s][m], xb, w[s]);
-    }
-  }
-  #pragma GCC unroll 8
-  for (int s = 0; s < S; ++s) {
-    int64_t c = col0 + s * COLS;
-    __m512i shift = _mm512_slli_epi32(_mm512_loadu_si512(colsum + c), 7);  // 128 * colsum (padded to G * 16)
-    __m512 out[M];
-    #pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) out[m] = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[s][m], shift));
-    store_tile(out, M, y, N, c, wscale, xscale, bias);
-  }
-}
-
-template <int S>
-inline void block_int8(int rows, const uint32_t* xq, int64_t K4, const int8_t* wp, float* y, int64_t N, int64_t col0,
-                       const int32_t* colsum, const float* wscale, const float* xscale, const float* bias) {
-  switch (rows) {
-    case 1: tile_int8<1, S>(xq, K4, wp, y, N, col0, colsum, wscale, xscale, bias); break;
-    case 2: tile_int8<2, S>(xq, K4, wp, y, N, col0, colsum, wscale, xscale, bias); break;
-    case 3: tile_int8<3, S>(xq, K4, wp, y, N, col0, colsum, wscale, xscale, bias); break;
-    case 4: tile_int8<4, S>(xq, K4, wp, y, N, col0, colsum, wscale, xscale, bias); break;
-    case 5: tile_int8<5, S>(xq, K4, wp, y, N, col0, colsum, wscale, xscale, bias); break;
-    case 6: tile_int8<6, S>(xq, K4, wp, y, N, col0, colsum, wscale, xscale, bias); break;
-    case 7: tile_int8<7, S>(xq, K4, wp, y, N, col0, colsum, wscale, xscale, bias); break;
-    default: tile_int8<8, S>(xq, K4, wp, y, N, col0, colsum, wscale, xscale, bias); break;
+    case 1: tile<Op, 1, S>(op, x, Kp, w, y, N, col0, row0); break;
+    case 2: tile<Op, 2, S>(op, x, Kp, w, y, N, col0, row0); break;
+    case 3: tile<Op, 3, S>(op, x, Kp, w, y, N, col0, row0); break;
+    case 4: tile<Op, 4, S>(op, x, Kp, w, y, N, col0, row0); break;
+    case 5: tile<Op, 5, S>(op, x, Kp, w, y, N, col0, row0); break;
+    case 6: tile<Op, 6, S>(op, x, Kp, w, y, N, col0, row0); break;
+    case 7: tile<Op, 7, S>(op, x, Kp, w, y, N, col0, row0); break;
+    default: tile<Op, 8, S>(op, x, Kp, w, y, N, col0, row0); break;
   }
 }
 
@@ -173,6 +152,26 @@ void for_each_tile(int64_t M, int64_t G, int64_t group_bytes, Tile tile) {
       }
     }
   });
+}
+
+// y [M, N] = the product of x (M rows of Kp uint32) and the packed weights w (G groups of Kp lines).
+template <class Op>
+void run(const Op& op, const uint32_t* x, int64_t M, int64_t Kp, const char* w, int64_t G, float* y, int64_t N) {
+  for_each_tile(M, G, Kp * 64, [&](int rows, int64_t m0, int s, int64_t g) {
+    const uint32_t* xr = x + m0 * Kp;
+    const char* wg = w + g * Kp * 64;
+    float* yr = y + m0 * N;
+    if (s == 4) block<Op, 4>(op, rows, xr, Kp, wg, yr, N, g * COLS, m0);
+    else if (s == 3) block<Op, 3>(op, rows, xr, Kp, wg, yr, N, g * COLS, m0);
+    else block<Op, 1>(op, rows, xr, Kp, wg, yr, N, g * COLS, m0);
+  });
+}
+
+// The bias as float32 (``holder`` keeps a converted copy alive), or nullptr.
+const float* float_bias(const c10::optional<torch::Tensor>& bias, torch::Tensor& holder) {
+  if (!bias.has_value()) return nullptr;
+  holder = bias.value().to(torch::kFloat32).contiguous();
+  return holder.data_ptr<float>();
 }
 
 }  // namespace
@@ -210,24 +209,10 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, int64_t N, c10:
       out[k / 2] = static_cast<uint32_t>(_mm_cvtsi128_si32(_mm512_castsi512_si128((__m512i)b)));
     }
   }
-  float* b = nullptr;
   torch::Tensor bias_f;
-  if (bias.has_value()) {
-    bias_f = bias.value().to(torch::kFloat32).contiguous();
-    b = bias_f.data_ptr<float>();
-  }
   auto y = torch::empty({M, N}, x.options());
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<int16_t>());
-  float* yp = y.data_ptr<float>();
-  for_each_tile(M, G, K2 * 64, [&](int rows, int64_t m0, int s, int64_t g) {
-    const uint32_t* xr = xp.data() + m0 * K2;
-    const uint16_t* w = wp + g * K2 * 32;
-    float* yr = yp + m0 * N;
-    if (s == 4) block_bf16<4>(rows, xr, K2, w, yr, N, g * COLS, b);
-    else if (s == 3) block_bf16<3>(rows, xr, K2, w, yr, N, g * COLS, b);
-    else if (s == 2) block_bf16<2>(rows, xr, K2, w, yr, N, g * COLS, b);
-    else block_bf16<1>(rows, xr, K2, w, yr, N, g * COLS, b);
-  });
+  run(Bf16Op{float_bias(bias, bias_f)}, xp.data(), M, K2, reinterpret_cast<const char*>(packed.data_ptr<int16_t>()), G,
+      y.data_ptr<float>(), N);
   return y;
 }
 
@@ -297,27 +282,10 @@ torch::Tensor linear_int8(torch::Tensor x, torch::Tensor packed, torch::Tensor w
       out[k] = static_cast<uint8_t>(std::min(127, std::max(-127, v)) + 128);
     }
   }
-  float* b = nullptr;
   torch::Tensor bias_f;
-  if (bias.has_value()) {
-    bias_f = bias.value().to(torch::kFloat32).contiguous();
-    b = bias_f.data_ptr<float>();
-  }
   auto y = torch::empty({M, N}, x.options());
-  const int8_t* wp = packed.data_ptr<int8_t>();
-  const int32_t* cs = colsum.data_ptr<int32_t>();
-  const float* ws = wscale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for_each_tile(M, G, K4 * 64, [&](int rows, int64_t m0, int s, int64_t g) {
-    const uint32_t* xr = xq.data() + m0 * K4;
-    const int8_t* w = wp + g * K4 * 64;
-    float* yr = yp + m0 * N;
-    const float* xsr = xs.data() + m0;
-    if (s == 4) block_int8<4>(rows, xr, K4, w, yr, N, g * COLS, cs, ws, xsr, b);
-    else if (s == 3) block_int8<3>(rows, xr, K4, w, yr, N, g * COLS, cs, ws, xsr, b);
-    else if (s == 2) block_int8<2>(rows, xr, K4, w, yr, N, g * COLS, cs, ws, xsr, b);
-    else block_int8<1>(rows, xr, K4, w, yr, N, g * COLS, cs, ws, xsr, b);
-  });
+  Int8Op op{float_bias(bias, bias_f), colsum.data_ptr<int32_t>(), wscale.data_ptr<float>(), xs.data()};
+  run(op, xq.data(), M, K4, reinterpret_cast<const char*>(packed.data_ptr<int8_t>()), G, y.data_ptr<float>(), N);
   return y;
 }
 
