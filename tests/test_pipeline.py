@@ -19,7 +19,7 @@ from treegraft.pipeline.report import make_figures, make_tables
 from treegraft.pipeline.fit import run_fit
 from treegraft.scheduling.features import state_names, suffix_vector
 from treegraft.scheduling.learned import MarginPredictor, plan_margins
-from treegraft.scheduling.value import MLPConfig, ValueSystem, grouped_folds
+from treegraft.scheduling.value import MLPConfig, ValueSystem, grouped_folds, train_mlp
 
 from .conftest import compose
 
@@ -159,6 +159,19 @@ def test_saved_and_reloaded_predictor_give_identical_margins(tmp_path):
     meta = json.loads((tmp_path / "scheduler.meta.json").read_text())
     assert meta["feature_names"] == state_names(5, signals)
 
+
+
+def test_an_input_constant_in_training_cannot_move_the_prediction():
+    # a one-pair fit sees one warm-up t_tgt; another run measures a slightly different one
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(400, 3))
+    x[:, 1] = 113.0
+    y = x[:, 0] + 0.5 * x[:, 2]
+    model = train_mlp(x, y, MLPConfig(epochs=60))
+    shifted = x.copy()
+    shifted[:, 1] = 125.0
+    assert np.array_equal(model.predict(shifted), model.predict(x))
+    assert not np.allclose(model.predict(x[:, [0, 0, 2]] + 1.0), model.predict(x))  # the other inputs still count
 
 def test_cost_model_recovers_per_call_costs():
     rng = np.random.default_rng(2)

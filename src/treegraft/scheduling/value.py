@@ -101,6 +101,11 @@ def train_mlp(x: np.ndarray, y: np.ndarray, cfg: MLPConfig, hidden: Sequence[int
         loss = torch.mean((model.net(xz).squeeze(-1) - yz) ** 2)
         loss.backward()
         opt.step()
+    # An input that was constant in training (e.g. the warm-up t_tgt of a one-pair fit) got no gradient:
+    # its first-layer weights are still the random init, so a slightly different value online (another
+    # warm-up measurement) would shift every hidden unit arbitrarily. It carried no information: drop it.
+    with torch.no_grad():
+        model.net[0].weight[:, sd <= 1e-8] = 0.0
     model.eval()
     return model
 
