@@ -17,9 +17,10 @@ from treegraft.pipeline.distill import run_distill
 from treegraft.pipeline.evaluate import read_records, run_evaluate, run_key
 from treegraft.pipeline.report import make_figures, make_tables
 from treegraft.pipeline.fit import run_fit
-from treegraft.scheduling.features import state_names, suffix_vector
+from treegraft.scheduling.features import ALL_FEATURES, state_names, state_vector, suffix_vector
+from treegraft.scheduling.policy import StepState
 from treegraft.scheduling.learned import MarginPredictor, plan_margins
-from treegraft.scheduling.value import MLPConfig, ValueSystem, grouped_folds, train_mlp
+from treegraft.scheduling.value import MLPConfig, ValueSystem, grouped_folds, select_signals, train_mlp
 
 from .conftest import compose
 
@@ -144,6 +145,54 @@ def test_suffix_encoding_is_aligned_to_absolute_steps():
     assert suffix_vector(5, "", 5).tolist() == [0] * 5
     with pytest.raises(ValueError, match="must have 2 actions"):
         suffix_vector(3, "1", 5)
+
+
+def test_state_keeps_only_the_selected_runtime_context():
+    state = StepState(step=2, depth=5, history=[1], prompt_len=99, t_tgt_ms=120.0, t_mid_ms=30.0,
+                      signals={"node_count": 7.0})
+    names = state_names(5, ["t_mid_ms", "node_count", "t_tgt_ms"])
+    assert names[:2] == ["t_tgt_ms", "t_mid_ms"] and names[-1] == "sig_node_count"
+    assert state_vector(state, ["t_mid_ms", "node_count", "t_tgt_ms"]).tolist() == [120.0, 30.0, 0.4, 0.2, 1, 0, 0, 0, 0, 7.0]
+    full = dict(zip(state_names(5, ALL_FEATURES), state_vector(state, ALL_FEATURES)))
+    assert full["log_prompt_len"] == pytest.approx(np.log(100.0))
+    with pytest.raises(ValueError, match="unknown scheduler feature"):
+        state_names(5, ["prompt_length"])
+
+
+def test_stepwise_selection_drops_a_runtime_feature_that_misleads():
+    # log_prompt_len names the benchmark in training; on a held-out benchmark it points the wrong way
+    rng = np.random.default_rng(3)
+    rows = []
+    for b in range(5):
+        n = 160
+        useful = rng.normal(size=n)
+        plen = np.full(n, float(b))
+        for action in (0, 1):
+            al = 2 + useful + (0.5 * b if action else -0.5 * b) * (b < 4) + 0.1 * rng.normal(size=n)
+            rows.append(pd.DataFrame({"report": f"p/b{b}", "action": action, "accepted": al, "latency_s": 0.1,
+                                      "log_prompt_len": plen, "sig_node_count": useful}))
+    df = pd.concat(rows, ignore_index=True)
+    for name in state_names(1, ALL_FEATURES):
+        if name not in df:
+            df[name] = 0.0
+    df["suffix_1"] = 0.0
+    chosen, table = select_signals(df, 1, ["log_prompt_len", "node_count"], MLPConfig(hidden=(16,), epochs=60),
+                                   search="greedy", n_folds=5)
+    assert chosen == ["node_count"]
+    assert "log_prompt_len" in set(table["subset"])  # the SPEC's state was the starting point
+
+
+def test_artifacts_saved_before_the_context_was_selectable_keep_it(tmp_path):
+    signals = ["node_count"]
+    x = np.random.default_rng(4).normal(size=(50, len(state_names(5, ["log_prompt_len", "t_tgt_ms", "t_mid_ms", "log_tgt_mid_ratio", *signals]))))
+    pred = MarginPredictor.fit(x, x[:, 0], 5, ["log_prompt_len", "t_tgt_ms", "t_mid_ms", "log_tgt_mid_ratio", *signals], MLPConfig(epochs=5))
+    pred.save(tmp_path / "scheduler")
+    meta = json.loads((tmp_path / "scheduler.meta.json").read_text())
+    meta["signals"] = signals  # what an older fit wrote: tree signals only, the four runtime features implied
+    (tmp_path / "scheduler.meta.json").write_text(json.dumps(meta))
+    again = MarginPredictor.load(tmp_path / "scheduler")
+    assert again.feature_names == pred.feature_names
+    assert np.array_equal(again.predict(x), pred.predict(x))
 
 
 def test_saved_and_reloaded_predictor_give_identical_margins(tmp_path):

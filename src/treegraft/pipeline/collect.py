@@ -26,8 +26,7 @@ from omegaconf import OmegaConf
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..machine import cpu_info
 from .enumeration import TurnEnumeration, enumerate_turn
-from ..scheduling.features import state_names, state_vector, suffix_names, suffix_vector
-from ..scheduling.signals import SIGNAL_NAMES
+from ..scheduling.features import ALL_FEATURES, state_names, state_vector, suffix_names, suffix_vector
 from .artifacts import MissingArtifactError, atomic_write_json, atomic_write_parquet
 from .parallel import fork_map, split_jobs, one_thread_with_workers
 
@@ -65,8 +64,8 @@ def decode_with_enumeration(
 
 def enumeration_rows(en: TurnEnumeration, depth: int, meta: dict) -> list[dict]:
     """One row per (schedule, step) of one enumerated turn; ``meta`` (pair, benchmark, ...) is copied in."""
-    names = state_names(depth, SIGNAL_NAMES)
-    features = {prefix: dict(zip(names, state_vector(state, SIGNAL_NAMES).tolist())) for prefix, state in en.states.items()}
+    names = state_names(depth, ALL_FEATURES)
+    features = {prefix: dict(zip(names, state_vector(state, ALL_FEATURES).tolist())) for prefix, state in en.states.items()}
     sfx_names = suffix_names(depth)
     rows = []
     for schedule, out in en.outcomes.items():

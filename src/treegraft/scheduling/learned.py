@@ -18,7 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .features import state_names, state_vector, suffix_vector
+from .features import state_names, state_vector, suffix_vector, signals_among, with_spec_context
 from .policy import StepState
 from .value import MLPConfig, Standardized, ValueSystem, train_mlp
 
@@ -103,7 +103,7 @@ class MarginPredictor:
         model = Standardized(len(meta["feature_names"]), meta["hidden"])
         model.load_state_dict(torch.load(path_stem.with_suffix(".pt"), weights_only=True))
         model.eval()
-        return cls(model, meta["depth"], meta["signals"], meta)
+        return cls(model, meta["depth"], with_spec_context(meta["signals"], meta["feature_names"]), meta)
 
 
 class LearnedScheduler:
@@ -112,7 +112,7 @@ class LearnedScheduler:
     def __init__(self, predictor: MarginPredictor, threshold: float = 0.0):
         self.predictor = predictor
         self.threshold = threshold
-        self.needs_signals = bool(predictor.signals)
+        self.needs_signals = bool(signals_among(predictor.signals))
 
     def decide(self, state: StepState) -> int:
         x = state_vector(state, self.predictor.signals)
@@ -124,7 +124,7 @@ class DirectPlanner:
 
     def __init__(self, value_system: ValueSystem):
         self.vs = value_system
-        self.needs_signals = bool(value_system.signals)
+        self.needs_signals = bool(signals_among(value_system.signals))
 
     def decide(self, state: StepState) -> int:
         x = state_vector(state, self.vs.signals)

@@ -8,8 +8,9 @@ Signal selection scores a tree-signal subset by five-fold *grouped* out-of-fold 
 report, i.e. pair x benchmark, never straddles folds): the normalized mean absolute errors of AL,
 log-latency and throughput on both branches (each error divided by the target's standard
 deviation), averaged. ``search='auto'`` is exhaustive over all subsets when that is at most
-``max_exhaustive`` subsets, otherwise greedy forward selection (start from no signal, add the
-signal that lowers the score most, stop when nothing lowers it) -- documented in the README.
+``max_exhaustive`` subsets, otherwise stepwise selection: start from the candidates' runtime
+context (the SPEC's state), add the feature that lowers the score most until nothing does, then drop
+any feature whose removal lowers it -- documented in docs/pipeline.md.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 from sklearn.model_selection import GroupKFold
 from torch import nn
 
-from .features import signal_column, state_names, suffix_names
+from .features import RUNTIME_NAMES, feature_column, state_names, suffix_names, with_spec_context
 
 __all__ = [
     "MLPConfig",
@@ -151,7 +152,7 @@ class ValueSystem:
     def load(cls, directory: Path) -> "ValueSystem":
         meta = json.loads((directory / "value_heads.meta.json").read_text())
         states = torch.load(directory / "value_heads.pt", weights_only=True)
-        vs = cls(depth=meta["depth"], signals=list(meta["signals"]))
+        vs = cls(depth=meta["depth"], signals=with_spec_context(meta["signals"], meta["input_names"]))
         for name, sd in states.items():
             head = Standardized(len(vs.input_names), meta["hidden"])
             head.load_state_dict(sd)
@@ -231,9 +232,9 @@ def select_signals(
     """Choose the signal subset with the lowest grouped OOF score; also score every single signal,
     no signal and all candidates. Returns (chosen subset, table of every evaluated subset)."""
     candidates = list(candidates)
-    missing = [c for c in candidates if signal_column(c) not in rows.columns]
+    missing = [c for c in candidates if feature_column(c) not in rows.columns]
     if missing:
-        raise ValueError(f"candidate signal(s) {missing} are not columns of the collected rows")
+        raise ValueError(f"candidate feature(s) {missing} are not columns of the collected rows (collect again)")
     folds = grouped_folds(rows["report"].to_numpy(), n_folds)
     scored: dict[tuple[str, ...], dict] = {}
 
@@ -253,7 +254,9 @@ def select_signals(
             for subset in itertools.combinations(candidates, k):
                 score(subset)
     else:
-        chosen: tuple[str, ...] = ()
+        # start from the SPEC's state (its runtime context), add the feature that lowers the score most
+        # until none does, then drop any feature whose removal lowers it (a runtime feature included)
+        chosen: tuple[str, ...] = tuple(c for c in candidates if c in RUNTIME_NAMES)
         best = score(chosen)
         while len(chosen) < len(candidates):
             trial = {c: score(tuple(sorted(chosen + (c,), key=candidates.index))) for c in candidates if c not in chosen}
@@ -262,8 +265,16 @@ def select_signals(
                 break
             chosen = tuple(sorted(chosen + (c_best,), key=candidates.index))
             best = trial[c_best]
-        for c in candidates:  # every single signal, for the report table
+        while chosen:
+            trial = {c: score(tuple(x for x in chosen if x != c)) for c in chosen}
+            c_drop = min(trial, key=trial.get)
+            if trial[c_drop] >= best:
+                break
+            chosen = tuple(x for x in chosen if x != c_drop)
+            best = trial[c_drop]
+        for c in candidates:  # every single feature and none at all, for the report table
             score((c,))
+        score(())
         score(tuple(candidates))
     best_subset = min(scored, key=lambda s: (scored[s]["score"], len(s)))
     table = pd.DataFrame([{"subset": ",".join(s) or "(none)", "n_signals": len(s), **v} for s, v in scored.items()])
