@@ -73,10 +73,11 @@ def state_names(depth: int, features: Sequence[str]) -> list[str]:
 
 
 def state_vector(state: StepState, features: Sequence[str]) -> np.ndarray:
-    """The state of ``state`` as float64 [len(state_names)]; signals missing from the state count as 0."""
-    _check(features)
-    context = dict(zip(RUNTIME_NAMES, runtime_features(state)))
-    values = [context[r] for r in RUNTIME_NAMES if r in features] + history_features(state)
+    """The state of ``state`` as float64 [len(state_names)]; signals missing from the state count as 0.
+
+    Runs at every online decision: the names were checked where the policy's feature order was made
+    (:func:`state_names`), so they are not checked again here."""
+    values = [v for r, v in zip(RUNTIME_NAMES, runtime_features(state)) if r in features] + history_features(state)
     sig = state.signals or {}
     values += [float(sig.get(s, 0.0)) for s in signals_among(features)]
     return np.asarray(values, dtype=np.float64)
