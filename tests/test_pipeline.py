@@ -13,7 +13,7 @@ import pytest
 
 from treegraft.pipeline.artifacts import MissingArtifactError, stage_dir
 from treegraft.pipeline.collect import COST_FEATURES, apply_cost_model, fit_cost_model, run_collect
-from treegraft.pipeline.distill import run_distill
+from treegraft.pipeline.distill import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER, run_distill
 from treegraft.pipeline.evaluate import read_records, run_evaluate, run_key
 from treegraft.pipeline.report import make_figures, make_tables
 from treegraft.pipeline.fit import run_fit
@@ -53,6 +53,8 @@ def test_smoke_pipeline_writes_every_artifact(smoke):
     pooled = table[table["pair"] == "all pairs"].set_index("policy")
     assert (pooled["mean_tau"] <= pooled.loc["oracle", "mean_tau"] + 1e-9).all()  # nothing beats the per-turn oracle
     assert pooled.loc["oracle", "pct_of_oracle"] == pytest.approx(100.0)
+    for name in (IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER):  # the deployed policies on the very turns they were fitted on
+        assert pooled.loc[name, "turns"] == pooled.loc["oracle", "turns"]
     assert distill_info["ms_per_decision_scheduler"] < 1.0
     assert json.loads((base / "fit" / "selection.json").read_text())["chosen_signals"] == fit_info["chosen_signals"]
 

@@ -32,7 +32,10 @@ from .common import fit_pairs, print_table, to_markdown
 from .fit import mlp_config
 from .tracking import stage_logger
 
-__all__ = ["run_distill", "distill_predictor", "states_of", "time_decisions"]
+__all__ = ["run_distill", "distill_predictor", "states_of", "time_decisions", "IN_SAMPLE_DISTILLED", "IN_SAMPLE_PLANNER"]
+
+IN_SAMPLE_DISTILLED = "distilled, in-sample (fitted on these turns)"
+IN_SAMPLE_PLANNER = "direct planner, in-sample (fitted on these turns)"
 
 
 def states_of(rows: pd.DataFrame) -> pd.DataFrame:
@@ -128,7 +131,21 @@ def run_distill(cfg: DictConfig) -> dict:
                 row[c] = float(np.average(g[c], weights=w))
             row["turns"] = int(w.sum())
             agg.append(row)
-    table = pd.DataFrame(agg)
+    # in-sample: the deployed heads and predictor, fitted on every turn, followed through those same
+    # turns. Not a held-out figure: how far from the oracle these features leave the value system even
+    # on turns it has seen (the rest of the gap is what the pre-action state does not tell apart)
+    deployed = {
+        IN_SAMPLE_DISTILLED: (vs.signals, lambda x, t: (predictor.predict(x) > float(s.threshold)).astype(int)),
+        IN_SAMPLE_PLANNER: (vs.signals, lambda x, t: (plan_margins(vs, x, np.full(len(x), t)) > 0).astype(int)),
+    }
+    in_sample = []
+    for pair_name, pair_rows in [*rows.groupby("pair", sort=False), ("all pairs", rows)]:
+        t_in = evaluate_policies(pair_rows, depth, deployed)
+        in_sample.append(t_in[t_in["policy"].isin(list(deployed))].assign(pair=pair_name))
+    table = pd.concat([pd.DataFrame(agg), *in_sample], ignore_index=True)
+    pair_order = {name: i for i, name in enumerate(pd.unique(table["pair"]))}
+    table = table.sort_values("pair", key=lambda c: c.map(pair_order), kind="stable", ignore_index=True)
+    table = table[["pair", "policy", "mean_tau", "gap_to_oracle", "gap_pct", "at_oracle", "call_rate", "turns"]]
     oracle = table[table["policy"] == "oracle"].set_index("pair")["mean_tau"]
     table.insert(3, "pct_of_oracle", 100 * table["mean_tau"] / table["pair"].map(oracle))
     atomic_write_text(table.to_csv(index=False), out_dir / "offline_eval.csv")
@@ -142,7 +159,8 @@ def run_distill(cfg: DictConfig) -> dict:
     }
     atomic_write_json(info, out_dir / "distill.json")
     record_stage(out_dir, config_yaml, inputs)
-    print_table(table, f"offline scheduler evaluation ({len(folds)} grouped folds, held-out reports), tokens/s per turn", console)
+    print_table(table, f"offline scheduler evaluation ({len(folds)} grouped folds, held-out reports; in-sample rows: "
+                       "fitted on those turns), tokens/s per turn", console)
     console.print(f"teacher says call on {info['teacher_call_share']:.1%} of {len(states)} states; predictor sign "
                   f"agreement {agreement:.1%}; per decision: scheduler {ms_scheduler:.4f} ms, direct planner {ms_planner:.3f} ms")
     log = stage_logger(cfg, "distill")

@@ -15,6 +15,7 @@ import pandas as pd
 
 from .artifacts import MissingArtifactError, atomic_write_text
 from .common import to_markdown
+from .distill import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER
 from .evaluate import read_records, summarize_records
 
 __all__ = [
@@ -244,6 +245,7 @@ def make_figures(exp_dir: Path, out_dir: Path | None = None) -> list[Path]:
         t = pd.read_csv(offline)
         if "pair" in t:  # the pooled rows (every pair's held-out reports)
             t = t[t["pair"] == "all pairs"]
+        t = t[~t["policy"].isin([IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER])]  # the figure shows held-out figures only
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.barh(t["policy"], t["mean_tau"])
         ax.set_xlabel("mean tokens/s per turn (held-out reports)")
