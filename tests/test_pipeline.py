@@ -13,14 +13,15 @@ import pytest
 
 from treegraft.pipeline.artifacts import MissingArtifactError, stage_dir
 from treegraft.pipeline.collect import COST_FEATURES, apply_cost_model, fit_cost_model, run_collect
-from treegraft.pipeline.distill import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER, run_distill
+from treegraft.pipeline.distill import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER, distill_predictor, run_distill
 from treegraft.pipeline.evaluate import read_records, run_evaluate, run_key
 from treegraft.pipeline.report import make_figures, make_tables
 from treegraft.pipeline.fit import run_fit
 from treegraft.scheduling.features import ALL_FEATURES, state_names, state_vector, suffix_vector
 from treegraft.scheduling.policy import StepState
 from treegraft.scheduling.learned import MarginPredictor, plan_margins
-from treegraft.scheduling.value import MLPConfig, ValueSystem, grouped_folds, select_signals, train_mlp
+from treegraft.scheduling.value import (MLPConfig, ValueSystem, fit_value_system, grouped_folds, latency_prior_s,
+                                        select_signals, train_mlp)
 
 from .conftest import compose
 
@@ -514,3 +515,68 @@ def test_forked_workers_run_kernels_after_the_parent_ran_multithreaded_ones(tmp_
     expected = float((a @ a).sum())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0.txt", "1.txt", "2.txt", "3.txt"]
     assert float((tmp_path / "2.txt").read_text()) == pytest.approx(expected + 2, rel=1e-4)
+
+
+def _one_pair_rows(depth: int = 2, turns: int = 60, t_tgt: float = 100.0, t_mid: float = 25.0, seed: int = 5) -> pd.DataFrame:
+    """Enumerated turns of one pair: every call adds 0.8 accepted tokens and costs t_mid; timings constant."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for q in range(turns):
+        noise = rng.normal(size=1)[0]
+        for k in range(2 ** depth):
+            schedule = format(k, f"0{depth}b")
+            calls = schedule.count("1")
+            for step in range(1, depth + 1):
+                prefix = schedule[: step - 1]
+                row = {"report": f"p/b{q % 3}", "question_id": q, "turn": 0, "schedule": schedule, "prefix": prefix,
+                       "step": step, "action": int(schedule[step - 1]), "accepted": 1 + 0.8 * calls + 0.1 * noise,
+                       "latency_s": (t_tgt + calls * t_mid) / 1000 * 1.1, "t_tgt_ms": t_tgt, "t_mid_ms": t_mid,
+                       "log_prompt_len": 3.0, "log_tgt_mid_ratio": np.log(t_tgt / t_mid), "step_frac": step / depth,
+                       "calls_frac": prefix.count("1") / depth, "sig_node_count": 5.0 + noise}
+                row.update({f"hist_{s}": float(s < step and schedule[s - 1] == "1") for s in range(1, depth + 1)})
+                row.update({f"suffix_{s}": float(s > step and schedule[s - 1] == "1") for s in range(1, depth + 1)})
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def test_latency_prior_reads_the_whole_schedule_calls_and_the_pairs_timings():
+    names = state_names(3, ["t_tgt_ms", "t_mid_ms"]) + [f"suffix_{s}" for s in (1, 2, 3)]
+    x = np.zeros((1, len(names)))
+    col = {n: i for i, n in enumerate(names)}
+    x[0, col["t_tgt_ms"]], x[0, col["t_mid_ms"]] = 100.0, 30.0
+    x[0, col["calls_frac"]] = 1 / 3  # one call so far
+    x[0, col["suffix_3"]] = 1.0  # and one later
+    assert latency_prior_s(x, names, 3, action=1)[0] == pytest.approx((100 + 3 * 30) / 1000)
+    assert latency_prior_s(x, names, 3, action=0)[0] == pytest.approx((100 + 2 * 30) / 1000)
+    with pytest.raises(ValueError, match="latency prior needs"):
+        latency_prior_s(x[:, 2:], names[2:], 3, 1)
+
+
+def test_a_one_pair_scheduler_with_the_latency_prior_stops_calling_where_calls_cost_more():
+    depth, signals = 2, ["t_tgt_ms", "t_mid_ms", "node_count"]
+    rows = _one_pair_rows(depth)
+    cfg = MLPConfig(hidden=(16,), epochs=200)
+    x = rows.drop_duplicates(["question_id", "prefix"])
+    x = x[x["step"] == 1][state_names(depth, signals)].to_numpy(np.float64)
+    dear = x.copy()
+    dear[:, 1] *= 3.0  # another pair's warm-up: a middle forward three times dearer (a self-draft)
+    steps = np.ones(len(x))
+    for prior in (False, True):
+        vs = fit_value_system(rows, depth, signals, cfg, latency_prior=prior)
+        cheap_margin, dear_margin = plan_margins(vs, x, steps), plan_margins(vs, dear, steps)
+        assert (cheap_margin > 0).all()  # on the fitted pair calls pay (2.6 vs 2.0 tokens for 1.5x the time)
+        if prior:
+            assert (dear_margin < 0).all()
+            predictor, _, _ = distill_predictor(rows, vs, MLPConfig(hidden=(32, 16), epochs=400), [0.33, 1.0, 3.0])
+            assert (predictor.predict(x) > 0).all() and (predictor.predict(dear) < 0).all()
+        else:  # without it the timings were constant in training: the heads cannot tell the pairs apart
+            assert np.allclose(dear_margin, cheap_margin)
+
+
+def test_selection_with_the_latency_prior_keeps_the_timings_it_reads():
+    rows = _one_pair_rows(2, turns=30)
+    chosen, table = select_signals(rows, 2, ["log_prompt_len", "node_count"], MLPConfig(hidden=(8,), epochs=30),
+                                   search="greedy", n_folds=3, latency_prior=True)
+    assert {"t_tgt_ms", "t_mid_ms"} <= set(chosen)
+    assert all({"t_tgt_ms", "t_mid_ms"} <= set(s.split(",")) for s in table["subset"])
+    assert table["n_signals"].min() == 0  # n_signals counts the features beyond the prior's

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from typing import Sequence
 
 import numpy as np
 import pandas as pd
@@ -43,13 +44,41 @@ def states_of(rows: pd.DataFrame) -> pd.DataFrame:
     return state_rows(rows).reset_index()
 
 
-def distill_predictor(rows: pd.DataFrame, vs: ValueSystem, mlp) -> tuple[MarginPredictor, np.ndarray, np.ndarray]:
-    """(predictor, teacher margins, predicted margins) on the states of ``rows``."""
+def scale_timings(x: np.ndarray, names: list[str], scales: Sequence[float]) -> np.ndarray:
+    """Copies of the states ``x`` [N, F] with the warm-up timings rescaled: for every (a, b) of ``scales``
+    x ``scales``, t_tgt * a and t_mid * b (log ratio recomputed); the unscaled copy first. [N * S^2, F]"""
+    col = {n: i for i, n in enumerate(names)}
+    pairs = [(1.0, 1.0)] + [(a, b) for a in scales for b in scales if (a, b) != (1.0, 1.0)]
+    out = []
+    for a, b in pairs:
+        xs = x.copy()
+        xs[:, col["t_tgt_ms"]] *= a
+        xs[:, col["t_mid_ms"]] *= b
+        if "log_tgt_mid_ratio" in col:
+            xs[:, col["log_tgt_mid_ratio"]] += math.log(a / b)
+        out.append(xs)
+    return np.concatenate(out)
+
+
+def distill_predictor(rows: pd.DataFrame, vs: ValueSystem, mlp,
+                      timing_scales: Sequence[float] = ()) -> tuple[MarginPredictor, np.ndarray, np.ndarray]:
+    """(predictor, teacher margins, predicted margins) on the states of ``rows``.
+
+    With a latency prior and ``timing_scales``, the predictor also learns the teacher on copies of every
+    state with rescaled warm-up timings: with one fitted pair the timings are one value in every row, so
+    without the copies the student could not learn what the teacher's prior knows, that a dearer call
+    (a self-draft pair, a slower drafter) moves the margin. The returned margins are the unscaled states'."""
     states = states_of(rows)
-    x = states[state_names(vs.depth, vs.signals)].to_numpy(np.float64)
-    margins = plan_margins(vs, x, states["step"].to_numpy())
-    predictor = MarginPredictor.fit(x, margins, vs.depth, vs.signals, mlp, hidden=tuple(mlp.hidden))
-    return predictor, margins, predictor.predict(x)
+    names = state_names(vs.depth, vs.signals)
+    x = states[names].to_numpy(np.float64)
+    steps = states["step"].to_numpy()
+    x_fit, steps_fit = x, steps
+    if vs.latency_prior and timing_scales:
+        x_fit = scale_timings(x, names, timing_scales)
+        steps_fit = np.tile(steps, len(x_fit) // len(x))
+    margins = plan_margins(vs, x_fit, steps_fit)
+    predictor = MarginPredictor.fit(x_fit, margins, vs.depth, vs.signals, mlp, hidden=tuple(mlp.hidden))
+    return predictor, margins[: len(x)], predictor.predict(x)
 
 
 def step_states(states: pd.DataFrame, depth: int, n: int) -> list[StepState]:
@@ -96,7 +125,8 @@ def run_distill(cfg: DictConfig) -> dict:
     pred_mlp, value_mlp = mlp_config(s.predictor_mlp), mlp_config(s.value_mlp)
 
     # the deployed predictor: distilled from the value heads fitted on every fitting report
-    predictor, margins, predicted = distill_predictor(rows, vs, pred_mlp)
+    scales = [float(v) for v in s.get("timing_scales") or []]
+    predictor, margins, predicted = distill_predictor(rows, vs, pred_mlp, scales)
     agreement = float(np.mean((margins > 0) == (predicted > 0)))
     predictor.save(out_dir / "scheduler", {"pairs": fit_pairs(cfg), "threshold": float(s.threshold)})
 
@@ -111,8 +141,8 @@ def run_distill(cfg: DictConfig) -> dict:
     tables = []
     for k, (train_idx, test_idx) in enumerate(folds):
         train, test = rows.iloc[train_idx], rows.iloc[test_idx]
-        vs_k = fit_value_system(train, depth, vs.signals, value_mlp)
-        pred_k, _, _ = distill_predictor(train, vs_k, pred_mlp)
+        vs_k = fit_value_system(train, depth, vs.signals, value_mlp, latency_prior=vs.latency_prior)
+        pred_k, _, _ = distill_predictor(train, vs_k, pred_mlp, scales)
         policies = {
             "TreeGraft scheduler (distilled)": (vs.signals, lambda x, t, m=pred_k: (m.predict(x) > float(s.threshold)).astype(int)),
             "direct planner (value system)": (vs.signals, lambda x, t, v=vs_k: (plan_margins(v, x, np.full(len(x), t)) > 0).astype(int)),

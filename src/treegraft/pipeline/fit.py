@@ -62,10 +62,10 @@ def run_fit(cfg: DictConfig) -> dict:
         console.print(f"signal selection on {len(sel_rows)} rows (whole turns sampled; scheduler.selection_max_rows)")
     chosen, table = select_signals(
         sel_rows, depth, list(s.candidates), mlp_config(s.selection_mlp), s.search, int(s.max_exhaustive),
-        int(s.folds), progress=lambda msg: print(msg, file=sys.stderr),
+        int(s.folds), progress=lambda msg: print(msg, file=sys.stderr), latency_prior=bool(s.latency_prior),
     )
-    summary = oof_summary(table, chosen, list(s.candidates))
-    vs = fit_value_system(rows, depth, chosen, mlp_config(s.value_mlp))
+    summary = oof_summary(table, chosen)
+    vs = fit_value_system(rows, depth, chosen, mlp_config(s.value_mlp), latency_prior=bool(s.latency_prior))
     vs.save(out_dir, {"pairs": fit_pairs(cfg), "benchmarks": list(p.fit_benchmarks), "rows": len(rows),
                       "latency_label": p.latency_label})
     atomic_write_text(table.to_csv(index=False), out_dir / "oof_table.csv")

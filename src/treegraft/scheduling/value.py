@@ -4,6 +4,13 @@ Heads: AL | call, log-latency | call, AL | skip, log-latency | skip. Each maps t
 plus the future-suffix encoding to the *complete-turn* outcome of that schedule. Throughput of a
 schedule = (AL + 1) / latency (the bonus token counts).
 
+With ``latency_prior`` the log-latency heads learn the residual over an analytic latency from the
+pair's own warm-up timings, ``t_tgt + (calls of the whole schedule) * t_mid`` (one verification plus
+one middle forward per call). The prior carries what one fitted pair cannot teach: a pair whose
+middle forward costs more of a target step (a self-draft) gets dearer calls, by construction; the
+heads keep the tree-dependent part (verification size, rows per call). ``t_tgt_ms`` and ``t_mid_ms``
+are then required state features (the selection keeps them).
+
 Signal selection scores a tree-signal subset by five-fold *grouped* out-of-fold validation (a
 report, i.e. pair x benchmark, never straddles folds): the normalized mean absolute errors of AL,
 log-latency and throughput on both branches (each error divided by the target's standard
@@ -40,6 +47,8 @@ __all__ = [
     "select_signals",
     "grouped_folds",
     "BRANCHES",
+    "PRIOR_FEATURES",
+    "latency_prior_s",
 ]
 
 BRANCHES = {"call": 1, "skip": 0}
@@ -111,8 +120,29 @@ def train_mlp(x: np.ndarray, y: np.ndarray, cfg: MLPConfig, hidden: Sequence[int
     return model
 
 
+PRIOR_FEATURES = ("t_tgt_ms", "t_mid_ms")  # the state features the latency prior reads
+
+
+def latency_prior_s(x: np.ndarray, names: Sequence[str], depth: int, action: int) -> np.ndarray:
+    """The analytic latency [N] (seconds) of each input's whole schedule: ``t_tgt + calls * t_mid`` with
+    calls = those so far + ``action`` + the suffix's, from inputs ``x`` [N, len(names)]."""
+    col = {n: i for i, n in enumerate(names)}
+    missing = [f for f in PRIOR_FEATURES if f not in col]
+    if missing:
+        raise ValueError(f"the latency prior needs the state features {missing}; got inputs {list(names)}")
+    calls = x[:, col["calls_frac"]] * depth + action + x[:, [col[n] for n in suffix_names(depth)]].sum(axis=1)
+    ms = x[:, col["t_tgt_ms"]] + calls * x[:, col["t_mid_ms"]]
+    return np.maximum(ms, 1e-3) / 1000.0
+
+
 def _targets(rows: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
     return rows["accepted"].to_numpy(np.float64), np.log(rows["latency_s"].to_numpy(np.float64))
+
+
+def _log_prior(rows: pd.DataFrame, depth: int, action: int) -> np.ndarray:
+    """log of the latency prior of collected rows (their raw columns: the prior needs no selection)."""
+    names = ["calls_frac", *PRIOR_FEATURES, *suffix_names(depth)]
+    return np.log(latency_prior_s(rows[names].to_numpy(np.float64), names, depth, action))
 
 
 def _inputs(rows: pd.DataFrame, depth: int, signals: Sequence[str]) -> np.ndarray:
@@ -126,6 +156,7 @@ class ValueSystem:
     depth: int
     signals: list[str]
     heads: dict[str, Standardized] = field(default_factory=dict)  # "al_call", "loglat_call", "al_skip", "loglat_skip"
+    latency_prior: bool = False  # the log-latency heads are residuals over latency_prior_s
 
     @property
     def input_names(self) -> list[str]:
@@ -133,7 +164,10 @@ class ValueSystem:
 
     def predict(self, x: np.ndarray, branch: str) -> tuple[np.ndarray, np.ndarray]:
         """(AL, log-latency) for inputs ``x`` [N, len(input_names)] under ``branch`` ('call' or 'skip')."""
-        return self.heads[f"al_{branch}"].predict(x), self.heads[f"loglat_{branch}"].predict(x)
+        loglat = self.heads[f"loglat_{branch}"].predict(x)
+        if self.latency_prior:
+            loglat = loglat + np.log(latency_prior_s(x, self.input_names, self.depth, BRANCHES[branch]))
+        return self.heads[f"al_{branch}"].predict(x), loglat
 
     def throughput(self, x: np.ndarray, branch: str) -> np.ndarray:
         al, loglat = self.predict(x, branch)
@@ -145,14 +179,15 @@ class ValueSystem:
         atomic_torch_save({k: h.state_dict() for k, h in self.heads.items()}, directory / "value_heads.pt")
         hidden = [m.out_features for m in next(iter(self.heads.values())).net if isinstance(m, nn.Linear)][:-1]
         meta = {"depth": self.depth, "signals": self.signals, "input_names": self.input_names, "hidden": hidden,
-                "heads": sorted(self.heads), **(extra_meta or {})}
+                "heads": sorted(self.heads), "latency_prior": self.latency_prior, **(extra_meta or {})}
         atomic_write_json(meta, directory / "value_heads.meta.json")
 
     @classmethod
     def load(cls, directory: Path) -> "ValueSystem":
         meta = json.loads((directory / "value_heads.meta.json").read_text())
         states = torch.load(directory / "value_heads.pt", weights_only=True)
-        vs = cls(depth=meta["depth"], signals=with_spec_context(meta["signals"], meta["input_names"]))
+        vs = cls(depth=meta["depth"], signals=with_spec_context(meta["signals"], meta["input_names"]),
+                 latency_prior=bool(meta.get("latency_prior", False)))  # older artifacts: no prior
         for name, sd in states.items():
             head = Standardized(len(vs.input_names), meta["hidden"])
             head.load_state_dict(sd)
@@ -161,15 +196,25 @@ class ValueSystem:
         return vs
 
 
-def fit_value_system(rows: pd.DataFrame, depth: int, signals: Sequence[str], cfg: MLPConfig) -> ValueSystem:
+def _check_prior(signals: Sequence[str], latency_prior: bool) -> None:
+    missing = [f for f in PRIOR_FEATURES if f not in signals]
+    if latency_prior and missing:
+        raise ValueError(f"latency_prior needs the state features {missing} among the selected ones, got {list(signals)}")
+
+
+def fit_value_system(rows: pd.DataFrame, depth: int, signals: Sequence[str], cfg: MLPConfig,
+                     latency_prior: bool = False) -> ValueSystem:
     """Fit the four heads on ``rows`` (one row per turn x schedule x step)."""
-    vs = ValueSystem(depth=depth, signals=list(signals))
+    _check_prior(signals, latency_prior)
+    vs = ValueSystem(depth=depth, signals=list(signals), latency_prior=latency_prior)
     for branch, action in BRANCHES.items():
         part = rows[rows["action"] == action]
         if part.empty:
             raise ValueError(f"no rows with action {branch}: cannot fit the {branch} heads")
         x = _inputs(part, depth, signals)
         al, loglat = _targets(part)
+        if latency_prior:
+            loglat = loglat - _log_prior(part, depth, action)
         vs.heads[f"al_{branch}"] = train_mlp(x, al, cfg)
         vs.heads[f"loglat_{branch}"] = train_mlp(x, loglat, cfg)
     return vs
@@ -190,11 +235,13 @@ def _nmae(pred: np.ndarray, true: np.ndarray) -> float:
 
 
 def oof_score(rows: pd.DataFrame, depth: int, signals: Sequence[str], cfg: MLPConfig, n_folds: int = 5,
-              folds: list | None = None) -> dict[str, float]:
+              folds: list | None = None, latency_prior: bool = False) -> dict[str, float]:
     """Grouped out-of-fold errors of the four heads with ``signals``; ``score`` = mean of the six."""
+    _check_prior(signals, latency_prior)
     folds = folds or grouped_folds(rows["report"].to_numpy(), n_folds)
     out: dict[str, float] = {}
     for branch, action in BRANCHES.items():
+        prior = _log_prior(rows, depth, action) if latency_prior else np.zeros(len(rows))
         mask = (rows["action"] == action).to_numpy()
         pred_al = np.full(len(rows), np.nan)
         pred_ll = np.full(len(rows), np.nan)
@@ -207,7 +254,7 @@ def oof_score(rows: pd.DataFrame, depth: int, signals: Sequence[str], cfg: MLPCo
             al_tr, ll_tr = _targets(rows.iloc[tr])
             x_te = _inputs(rows.iloc[te], depth, signals)
             pred_al[te] = train_mlp(x_tr, al_tr, cfg).predict(x_te)
-            pred_ll[te] = train_mlp(x_tr, ll_tr, cfg).predict(x_te)
+            pred_ll[te] = train_mlp(x_tr, ll_tr - prior[tr], cfg).predict(x_te) + prior[te]
         idx = np.where(mask & ~np.isnan(pred_al))[0]
         al, ll = _targets(rows.iloc[idx])
         tau = (al + 1) / np.exp(ll)
@@ -228,10 +275,15 @@ def select_signals(
     max_exhaustive: int = 64,
     n_folds: int = 5,
     progress: Callable[[str], None] | None = None,
+    latency_prior: bool = False,
 ) -> tuple[list[str], pd.DataFrame]:
     """Choose the signal subset with the lowest grouped OOF score; also score every single signal,
-    no signal and all candidates. Returns (chosen subset, table of every evaluated subset)."""
-    candidates = list(candidates)
+    no signal and all candidates. Returns (chosen subset, table of every evaluated subset).
+
+    With ``latency_prior`` every subset holds :data:`PRIOR_FEATURES` (the prior reads them; they join
+    the candidates if absent): they are never dropped, and ``n_signals`` counts the other features."""
+    required = tuple(f for f in PRIOR_FEATURES if latency_prior)
+    candidates = [*[f for f in required if f not in candidates], *candidates]
     missing = [c for c in candidates if feature_column(c) not in rows.columns]
     if missing:
         raise ValueError(f"candidate feature(s) {missing} are not columns of the collected rows (collect again)")
@@ -239,19 +291,20 @@ def select_signals(
     scored: dict[tuple[str, ...], dict] = {}
 
     def score(subset: tuple[str, ...]) -> float:
+        subset = tuple(sorted(set(subset) | set(required), key=candidates.index))
         if subset not in scored:
-            scored[subset] = oof_score(rows, depth, list(subset), cfg, folds=folds)
+            scored[subset] = oof_score(rows, depth, list(subset), cfg, folds=folds, latency_prior=latency_prior)
             if progress:
                 progress(f"{len(scored)} subsets scored; last {list(subset)}: {scored[subset]['score']:.4f}")
         return scored[subset]["score"]
 
     if search not in ("auto", "exhaustive", "greedy"):
         raise ValueError(f"search must be auto, exhaustive or greedy, got {search!r}")
-    n_subsets = 2 ** len(candidates)
-    exhaustive = search == "exhaustive" or (search == "auto" and n_subsets <= max_exhaustive)
+    free = [c for c in candidates if c not in required]
+    exhaustive = search == "exhaustive" or (search == "auto" and 2 ** len(free) <= max_exhaustive)
     if exhaustive:
-        for k in range(len(candidates) + 1):
-            for subset in itertools.combinations(candidates, k):
+        for k in range(len(free) + 1):
+            for subset in itertools.combinations(free, k):
                 score(subset)
     else:
         # start from the SPEC's state (its runtime context), add the feature that lowers the score most
@@ -265,8 +318,8 @@ def select_signals(
                 break
             chosen = tuple(sorted(chosen + (c_best,), key=candidates.index))
             best = trial[c_best]
-        while chosen:
-            trial = {c: score(tuple(x for x in chosen if x != c)) for c in chosen}
+        while [c for c in chosen if c not in required]:
+            trial = {c: score(tuple(x for x in chosen if x != c)) for c in chosen if c not in required}
             c_drop = min(trial, key=trial.get)
             if trial[c_drop] >= best:
                 break
@@ -277,19 +330,22 @@ def select_signals(
         score(())
         score(tuple(candidates))
     best_subset = min(scored, key=lambda s: (scored[s]["score"], len(s)))
-    table = pd.DataFrame([{"subset": ",".join(s) or "(none)", "n_signals": len(s), **v} for s, v in scored.items()])
+    # n_signals counts the features beyond the required ones (so "single" and "none" keep their meaning)
+    table = pd.DataFrame([{"subset": ",".join(s) or "(none)", "n_signals": len(s) - len(required), **v}
+                          for s, v in scored.items()])
     table = table.sort_values("score").reset_index(drop=True)
     return list(best_subset), table
 
 
-def oof_summary(table: pd.DataFrame, chosen: Sequence[str], candidates: Sequence[str]) -> pd.DataFrame:
+def oof_summary(table: pd.DataFrame, chosen: Sequence[str]) -> pd.DataFrame:
     """The paper's B.5 comparison: chosen subset vs the single best signal vs all candidates (vs none)."""
     singles = table[table["n_signals"] == 1]
+    none = table[table["n_signals"] == 0]
     pick = {
         "chosen subset": ",".join(chosen) or "(none)",
         "single best signal": singles.sort_values("score")["subset"].iloc[0] if not singles.empty else None,
-        "all candidates": ",".join(candidates),
-        "no signal": "(none)",
+        "all candidates": table.loc[table["n_signals"].idxmax(), "subset"] if len(table) else None,
+        "no signal": none["subset"].iloc[0] if not none.empty else None,
     }
     out = []
     for label, subset in pick.items():
