@@ -150,17 +150,7 @@ def run_distill(cfg: DictConfig) -> dict:
         for pair_name, test_pair in test.groupby("pair", sort=False):  # per pair: the table reports each
             tables.append(evaluate_policies(test_pair, depth, policies, train_rows=train).assign(fold=k, pair=pair_name))
     per_fold = pd.concat(tables, ignore_index=True)
-    # pool the folds: turn-weighted means per pair and over every pair (the best fixed schedule may differ per fold)
     per_fold["policy_group"] = per_fold["policy"].str.replace(r"best fixed \[\d+\]", "best fixed", regex=True)
-    agg = []
-    for pair_name, pf in [*per_fold.groupby("pair", sort=False), ("all pairs", per_fold)]:
-        for name, g in pf.groupby("policy_group", sort=False):
-            w = g["turns"].to_numpy()
-            row = {"pair": pair_name, "policy": name}
-            for c in ("mean_tau", "gap_to_oracle", "gap_pct", "at_oracle", "call_rate"):
-                row[c] = float(np.average(g[c], weights=w))
-            row["turns"] = int(w.sum())
-            agg.append(row)
     # in-sample: the deployed heads and predictor, fitted on every turn, followed through those same
     # turns. Not a held-out figure: how far from the oracle these features leave the value system even
     # on turns it has seen (the rest of the gap is what the pre-action state does not tell apart)
@@ -168,14 +158,23 @@ def run_distill(cfg: DictConfig) -> dict:
         IN_SAMPLE_DISTILLED: (vs.signals, lambda x, t: (predictor.predict(x) > float(s.threshold)).astype(int)),
         IN_SAMPLE_PLANNER: (vs.signals, lambda x, t: (plan_margins(vs, x, np.full(len(x), t)) > 0).astype(int)),
     }
-    in_sample = []
-    for pair_name, pair_rows in [*rows.groupby("pair", sort=False), ("all pairs", rows)]:
-        t_in = evaluate_policies(pair_rows, depth, deployed)
-        in_sample.append(t_in[t_in["policy"].isin(list(deployed))].assign(pair=pair_name))
-    table = pd.concat([pd.DataFrame(agg), *in_sample], ignore_index=True)
-    pair_order = {name: i for i, name in enumerate(pd.unique(table["pair"]))}
-    table = table.sort_values("pair", key=lambda c: c.map(pair_order), kind="stable", ignore_index=True)
-    table = table[["pair", "policy", "mean_tau", "gap_to_oracle", "gap_pct", "at_oracle", "call_rate", "turns"]]
+    in_sample = [evaluate_policies(pair_rows, depth, deployed).assign(pair=pair_name)
+                 for pair_name, pair_rows in rows.groupby("pair", sort=False)]
+    in_sample = pd.concat(in_sample, ignore_index=True)
+    in_sample = in_sample[in_sample["policy"].isin(list(deployed))].assign(policy_group=lambda d: d["policy"])
+    # pool the folds (and the in-sample rows after them): turn-weighted means per pair and over every
+    # pair (the best fixed schedule may differ per fold)
+    pooled = pd.concat([per_fold, in_sample], ignore_index=True)
+    agg = []
+    for pair_name, pf in [*pooled.groupby("pair", sort=False), ("all pairs", pooled)]:
+        for name, g in pf.groupby("policy_group", sort=False):
+            w = g["turns"].to_numpy()
+            row = {"pair": pair_name, "policy": name}
+            for c in ("mean_tau", "gap_to_oracle", "gap_pct", "at_oracle", "call_rate"):
+                row[c] = float(np.average(g[c], weights=w))
+            row["turns"] = int(w.sum())
+            agg.append(row)
+    table = pd.DataFrame(agg)
     oracle = table[table["policy"] == "oracle"].set_index("pair")["mean_tau"]
     table.insert(3, "pct_of_oracle", 100 * table["mean_tau"] / table["pair"].map(oracle))
     atomic_write_text(table.to_csv(index=False), out_dir / "offline_eval.csv")
