@@ -7,6 +7,9 @@ Run:
 
 A method may carry tree overrides after a colon, so variants run side by side in one process:
     'methods=[ar,all_mid,"all_mid:shape=paper","all_small:ngram.scoring=target,ngram.copy_len=0"]'
+A learned method's ``artifacts=<dir>`` override loads its scheduler from another experiment's artifacts,
+``threshold=<x>`` sets the distilled scheduler's call threshold (its margin must exceed x):
+    'methods=[ar,treegraft,"treegraft:artifacts=/tmp/other/pipeline/cpu","treegraft:threshold=-1"]'
 
 Spec-Bench style, on a shared machine: every method is built and warmed up first (not scored), then
 the methods run *interleaved prompt by prompt* (ar, m1, m2, ..., then the next prompt), so a slow
@@ -64,7 +67,7 @@ def load_prompts(cfg: DictConfig, tokenizer) -> list[tuple[str, int, list[int]]]
     prompts = []
     for name in cfg.benchmarks:
         ds = load_benchmark(BenchmarkConfig(name=name, benchmarks_dir=cfg.paths.benchmarks_dir,
-                                            num_prompts=cfg.prompts_per_benchmark))
+                                            num_prompts=cfg.prompts_per_benchmark, offset=int(cfg.prompt_offset)))
         for rec in ds:
             text = format_prompt(tokenizer, rec["turns"][0])
             ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -112,11 +115,23 @@ def signals_cost_ms(pair, tree: dict, prompts, max_new_tokens: int, cache_dir) -
     return 1000 * sum(t.get("schedule_s", 0.0) for t in turns) / max(steps, 1)
 
 
+POLICY_OVERRIDES = ("artifacts", "threshold")  # a learned method's, not the tree's
+
+
+def method_overrides(method: str) -> tuple[list[str], dict[str, str]]:
+    """The tree overrides of ``"<method>:key=value,key=value"`` and its policy overrides (POLICY_OVERRIDES)."""
+    if ":" not in method:
+        return [], {}
+    overrides = re.split(r",(?![^\[]*\])", method.split(":", 1)[1])  # commas inside [...] belong to a list value
+    policy = dict(o.split("=", 1) for o in overrides if o.split("=", 1)[0] in POLICY_OVERRIDES)
+    return [o for o in overrides if o.split("=", 1)[0] not in POLICY_OVERRIDES], policy
+
+
 def variant_tree(tree: dict, method: str) -> dict:
     """The tree settings of ``method``, or of ``"<method>:key=value,key=value"`` (dotted keys, YAML values)."""
-    if ":" not in method:
+    overrides, _ = method_overrides(method)
+    if not overrides:
         return tree
-    overrides = re.split(r",(?![^\[]*\])", method.split(":", 1)[1])  # commas inside [...] belong to a list value
     merged = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(overrides))
     return OmegaConf.to_container(merged, resolve=True)
 
@@ -241,7 +256,13 @@ def build(method: str, pair, tree: dict, cfg: DictConfig):
     """The decoder of ``method`` (or ``method:overrides``); learned methods load their scheduler from
     ``cfg.artifacts`` (a missing artifact names the stage to run)."""
     name = method.split(":")[0]
-    scheduler = load_learned_scheduler(name, cfg.artifacts) if name in LEARNED_METHODS else None
+    policy = method_overrides(method)[1]
+    if policy and name not in LEARNED_METHODS or "threshold" in policy and name != "treegraft":
+        raise ValueError(f"method {method!r}: {', '.join(sorted(policy))}= applies to "
+                         f"{'treegraft' if 'threshold' in policy else ' / '.join(LEARNED_METHODS)} only")
+    threshold = float(policy["threshold"]) if "threshold" in policy else None
+    scheduler = (load_learned_scheduler(name, policy.get("artifacts", cfg.artifacts), threshold)
+                 if name in LEARNED_METHODS else None)
     return build_decoder(name, pair, variant_tree(tree, method), scheduler=scheduler, cache_dir=cfg.paths.cache_dir)
 
 

@@ -114,3 +114,37 @@ def test_bench_engine_learned_method_without_artifacts_names_the_stage(tmp_path)
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error: missing ") and "make collect fit distill" in last
     assert "Traceback" not in proc.stderr
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_engine", REPO_ROOT / "scripts" / "bench_engine.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_engine_method_variants_split_tree_and_policy_overrides():
+    bench = _bench_module()
+    tree_overrides, policy = bench.method_overrides("treegraft:artifacts=/a/b,threshold=-1,schedule=[1,0],ngram.copy_len=0")
+    assert tree_overrides == ["schedule=[1,0]", "ngram.copy_len=0"]
+    assert policy == {"artifacts": "/a/b", "threshold": "-1"}
+    tree = {"depth": 5, "ngram": {"copy_len": 24}}
+    assert bench.variant_tree(tree, "treegraft:artifacts=/a/b") is tree  # a policy override leaves the tree alone
+    assert bench.variant_tree(tree, "all_mid:ngram.copy_len=0")["ngram"] == {"copy_len": 0}
+    assert bench.method_overrides("all_mid") == ([], {})
+
+
+def test_bench_engine_policy_override_loads_the_other_artifacts_or_says_what_is_wrong(tmp_path):
+    def bench(method):
+        return subprocess.run(
+            [sys.executable, "scripts/bench_engine.py", "pair=tiny-random", f"methods=[ar,{method}]", f"artifacts={tmp_path}",
+             "prompts_per_benchmark=1", "max_new_tokens=4", "max_prompt_tokens=64", f"out_dir={tmp_path / 'bench'}"],
+            capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+
+    proc = bench(f'"treegraft:artifacts={tmp_path / "other"}"')
+    assert proc.returncode == 2 and str(tmp_path / "other" / "distill" / "scheduler.pt") in proc.stderr.strip().splitlines()[-1]
+    proc = bench('"all_mid:threshold=-1"')
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and last.startswith("error: method 'all_mid:threshold=-1': threshold= applies to treegraft only")

@@ -20,6 +20,7 @@ from treegraft.pipeline.fit import run_fit
 from treegraft.scheduling.features import ALL_FEATURES, state_names, state_vector, suffix_vector
 from treegraft.scheduling.policy import StepState
 from treegraft.scheduling.learned import MarginPredictor, plan_margins
+from treegraft.scheduling.offline import evaluate_policies
 from treegraft.scheduling.value import (MLPConfig, ValueSystem, fit_value_system, grouped_folds, latency_prior_s,
                                         select_signals, train_mlp)
 
@@ -580,3 +581,14 @@ def test_selection_with_the_latency_prior_keeps_the_timings_it_reads():
     assert {"t_tgt_ms", "t_mid_ms"} <= set(chosen)
     assert all({"t_tgt_ms", "t_mid_ms"} <= set(s.split(",")) for s in table["subset"])
     assert table["n_signals"].min() == 0  # n_signals counts the features beyond the prior's
+
+
+def test_offline_table_reports_the_total_rate_beside_the_mean_of_turn_ratios():
+    rows = _one_pair_rows(2, turns=12)
+    table = evaluate_policies(rows, 2, {}).set_index("policy")
+    first = rows[rows["step"] == 1]
+    for name, schedule in (("all-skip (All-Small)", "00"), ("all-call", "11")):
+        picked = first[first["schedule"] == schedule]
+        assert table.loc[name, "total_tau"] == pytest.approx((picked["accepted"] + 1).sum() / picked["latency_s"].sum())
+        assert table.loc[name, "mean_tau"] == pytest.approx(((picked["accepted"] + 1) / picked["latency_s"]).mean())
+    assert table.loc["random (p=0.5)", "total_tau"] == pytest.approx((first["accepted"] + 1).sum() / first["latency_s"].sum())

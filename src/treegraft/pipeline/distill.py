@@ -172,6 +172,7 @@ def run_distill(cfg: DictConfig) -> dict:
             row = {"pair": pair_name, "policy": name}
             for c in ("mean_tau", "gap_to_oracle", "gap_pct", "at_oracle", "call_rate"):
                 row[c] = float(np.average(g[c], weights=w))
+            row["total_tau"] = float(g["tokens"].sum() / g["seconds"].sum())
             row["turns"] = int(w.sum())
             agg.append(row)
     table = pd.DataFrame(agg)

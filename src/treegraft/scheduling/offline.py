@@ -6,6 +6,11 @@ throughput is the recorded one of the schedule it produced. Compared: the distil
 direct value-system planner, all-skip (All-Small), all-call, the best fixed schedule (best mean
 throughput on the training turns), a uniformly random policy (its exact expectation: the mean over
 all schedules) and the per-turn oracle (the best enumerated schedule).
+
+Two measures per policy: ``mean_tau``, the mean over turns of each turn's throughput (the SPEC's, and
+what the oracle maximises turn by turn), and ``total_tau`` = all its tokens / all its seconds (what a
+decode's tokens/s is; ``tokens`` and ``seconds`` are kept so that folds pool exactly). The random
+policy's totals are over every schedule of every turn.
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ def turn_throughputs(rows: pd.DataFrame) -> pd.DataFrame:
     first = rows[rows["step"] == 1]
     tau = (first["accepted"] + 1) / first["latency_s"]
     return first.assign(tau=tau).pivot_table(index=TURN_KEYS, columns="schedule", values="tau")
+
+
+def _turn_table(rows: pd.DataFrame, values: pd.Series, like: pd.DataFrame) -> np.ndarray:
+    first = rows[rows["step"] == 1]
+    table = first.assign(v=values.loc[first.index]).pivot_table(index=TURN_KEYS, columns="schedule", values="v")
+    return table.loc[like.index, like.columns].to_numpy(np.float64)
 
 
 def state_rows(rows: pd.DataFrame) -> pd.DataFrame:
@@ -75,18 +86,23 @@ def evaluate_policies(
         chosen[name] = follow_policy(states, turns, depth, state_names(depth, signals), policy)
     out = []
     values = tau.to_numpy()
+    tokens = _turn_table(rows, rows["accepted"] + 1, tau)
+    seconds = _turn_table(rows, rows["latency_s"], tau)
     col = {s: i for i, s in enumerate(tau.columns)}
     for name, scheds in chosen.items():
-        got = values[np.arange(len(turns)), [col[s] for s in scheds]]
-        out.append(_row(name, got, oracle, np.mean([s.count("1") / depth for s in scheds])))
+        pick = (np.arange(len(turns)), [col[s] for s in scheds])
+        out.append(_row(name, values[pick], oracle, np.mean([s.count("1") / depth for s in scheds]),
+                        tokens[pick].sum(), seconds[pick].sum()))
     rand = np.nanmean(values, axis=1)
-    out.append(_row("random (p=0.5)", rand, oracle, 0.5))
-    out.append(_row("oracle", oracle, oracle, float(np.mean([tau.columns[i].count("1") / depth
-                                                            for i in np.nanargmax(values, axis=1)]))))
+    out.append(_row("random (p=0.5)", rand, oracle, 0.5, np.nansum(tokens) / values.shape[1],
+                    np.nansum(seconds) / values.shape[1]))
+    best = np.nanargmax(values, axis=1)
+    out.append(_row("oracle", oracle, oracle, float(np.mean([tau.columns[i].count("1") / depth for i in best])),
+                    tokens[np.arange(len(turns)), best].sum(), seconds[np.arange(len(turns)), best].sum()))
     return pd.DataFrame(out)
 
 
-def _row(name: str, got: np.ndarray, oracle: np.ndarray, call_rate: float) -> dict:
+def _row(name: str, got: np.ndarray, oracle: np.ndarray, call_rate: float, tokens: float, seconds: float) -> dict:
     return {
         "policy": name,
         "mean_tau": float(np.mean(got)),
@@ -94,5 +110,8 @@ def _row(name: str, got: np.ndarray, oracle: np.ndarray, call_rate: float) -> di
         "gap_pct": float(100 * np.mean((oracle - got) / oracle)),
         "at_oracle": float(np.mean(np.isclose(got, oracle))),
         "call_rate": float(call_rate),
+        "total_tau": float(tokens / seconds),
+        "tokens": float(tokens),
+        "seconds": float(seconds),
         "turns": int(len(got)),
     }
