@@ -257,7 +257,7 @@ def build(method: str, pair, tree: dict, cfg: DictConfig):
     ``cfg.artifacts`` (a missing artifact names the stage to run)."""
     name = method.split(":")[0]
     policy = method_overrides(method)[1]
-    if policy and name not in LEARNED_METHODS or "threshold" in policy and name != "treegraft":
+    if (policy and name not in LEARNED_METHODS) or ("threshold" in policy and name != "treegraft"):
         raise ValueError(f"method {method!r}: {', '.join(sorted(policy))}= applies to "
                          f"{'treegraft' if 'threshold' in policy else ' / '.join(LEARNED_METHODS)} only")
     threshold = float(policy["threshold"]) if "threshold" in policy else None

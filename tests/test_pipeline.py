@@ -57,6 +57,9 @@ def test_smoke_pipeline_writes_every_artifact(smoke):
     assert pooled.loc["oracle", "pct_of_oracle"] == pytest.approx(100.0)
     for name in (IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER):  # the deployed policies on the very turns they were fitted on
         assert pooled.loc[name, "turns"] == pooled.loc["oracle", "turns"]
+    folds = pd.read_csv(base / "distill" / "offline_eval_per_fold.csv")
+    oracle_folds = folds[folds["policy"] == "oracle"]  # pooled totals: all tokens over all seconds of every fold
+    assert pooled.loc["oracle", "total_tau"] == pytest.approx(oracle_folds["tokens"].sum() / oracle_folds["seconds"].sum())
     assert distill_info["ms_per_decision_scheduler"] < 1.0
     assert json.loads((base / "fit" / "selection.json").read_text())["chosen_signals"] == fit_info["chosen_signals"]
 
