@@ -22,7 +22,7 @@ import pandas as pd
 
 from .features import state_names
 
-__all__ = ["TURN_KEYS", "turn_throughputs", "state_rows", "follow_policy", "evaluate_policies"]
+__all__ = ["TURN_KEYS", "turn_outcomes", "turn_throughputs", "state_rows", "follow_policy", "evaluate_policies"]
 
 TURN_KEYS = ["report", "question_id", "turn"]
 
@@ -30,17 +30,17 @@ TURN_KEYS = ["report", "question_id", "turn"]
 BatchPolicy = Callable[[np.ndarray, int], np.ndarray]
 
 
+def turn_outcomes(rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """([turns x schedules] tokens AL + 1, the same of latencies), indexed by TURN_KEYS."""
+    first = rows[rows["step"] == 1].assign(tokens=lambda d: d["accepted"] + 1)
+    table = first.pivot_table(index=TURN_KEYS, columns="schedule", values=["tokens", "latency_s"])
+    return table["tokens"], table["latency_s"]
+
+
 def turn_throughputs(rows: pd.DataFrame) -> pd.DataFrame:
     """[turns x schedules] throughput (AL + 1) / latency, indexed by TURN_KEYS."""
-    first = rows[rows["step"] == 1]
-    tau = (first["accepted"] + 1) / first["latency_s"]
-    return first.assign(tau=tau).pivot_table(index=TURN_KEYS, columns="schedule", values="tau")
-
-
-def _turn_table(rows: pd.DataFrame, values: pd.Series, like: pd.DataFrame) -> np.ndarray:
-    first = rows[rows["step"] == 1]
-    table = first.assign(v=values.loc[first.index]).pivot_table(index=TURN_KEYS, columns="schedule", values="v")
-    return table.loc[like.index, like.columns].to_numpy(np.float64)
+    tokens, seconds = turn_outcomes(rows)
+    return tokens / seconds
 
 
 def state_rows(rows: pd.DataFrame) -> pd.DataFrame:
@@ -71,7 +71,8 @@ def evaluate_policies(
     ``policies``: name -> (signal names of its state vector, batch policy). ``train_rows`` picks the
     best fixed schedule (default: ``rows`` themselves, i.e. an in-sample best fixed schedule).
     """
-    tau = turn_throughputs(rows)
+    tokens_table, seconds_table = turn_outcomes(rows)
+    tau = tokens_table / seconds_table
     states = state_rows(rows)
     turns = tau.index
     oracle = tau.max(axis=1).to_numpy()
@@ -86,8 +87,7 @@ def evaluate_policies(
         chosen[name] = follow_policy(states, turns, depth, state_names(depth, signals), policy)
     out = []
     values = tau.to_numpy()
-    tokens = _turn_table(rows, rows["accepted"] + 1, tau)
-    seconds = _turn_table(rows, rows["latency_s"], tau)
+    tokens, seconds = tokens_table.to_numpy(np.float64), seconds_table.to_numpy(np.float64)
     col = {s: i for i, s in enumerate(tau.columns)}
     for name, scheds in chosen.items():
         pick = (np.arange(len(turns)), [col[s] for s in scheds])
