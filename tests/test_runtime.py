@@ -356,6 +356,37 @@ def test_bfloat16_packed_uses_the_avx512_kernel_where_it_runs():
     torch.testing.assert_close(packed(x), ref, rtol=1e-4, atol=1e-3)
 
 
+def test_bfloat16_packed_routes_wide_products_to_onednn_above_the_crossover():
+    """With ``onednn_above=k`` products of up to k rows stay on the row-invariant AVX-512 kernel and wider
+    ones use the oneDNN-packed copy (bf16 out): both are bf16 linears of the same weight."""
+    _avx512()
+    lin = _linear(96, 40, True)
+    one_kernel = PackedLinear.from_linear(lin, torch.bfloat16)
+    hybrid = PackedLinear(lin.weight, lin.bias, torch.bfloat16, onednn_above=4)
+    assert hybrid.packed is not None and one_kernel.onednn_above is None
+    ref_w, ref_b = lin.weight.detach().bfloat16().float(), lin.bias.detach().bfloat16().float()
+    for rows in (1, 4, 5, 16):
+        x = torch.randn(rows, 96)
+        out = hybrid(x)
+        torch.testing.assert_close(out, x.bfloat16().float() @ ref_w.T + ref_b, rtol=2e-2, atol=2e-2)
+        if rows <= 4:  # the narrow path is the same kernel, bit for bit
+            assert torch.equal(out, one_kernel(x))
+        else:  # the wide path rounds its output to bf16
+            assert torch.equal(out, out.bfloat16().float())
+
+
+def test_bf16_max_rows_sets_the_crossover_of_every_linear():
+    _avx512()
+    fixed = apply_runtime(build_tiny_model(0), "bfloat16_packed", bf16_max_rows=8)
+    invariant = apply_runtime(build_tiny_model(0), "bfloat16_packed", bf16_max_rows=None)
+    for model, above in ((fixed, 8), (invariant, None)):
+        assert model.treegraft_bf16_max_rows == above
+        assert {m.onednn_above for m in model.modules() if isinstance(m, PackedLinear)} == {above}
+    measured = apply_runtime(build_tiny_model(0), "bfloat16_packed")  # auto: whatever this CPU measures
+    crossover = measured.treegraft_bf16_max_rows
+    assert crossover is None or crossover in (0, 1, 2, 4, 8, 16, 32)
+
+
 def test_middle_runtime_rule():
     from treegraft.models.loading import resolve_middle_runtime
 

@@ -17,7 +17,12 @@ modeling code:
 ``bfloat16_packed``  bfloat16 weights prepacked once (needs native bf16: AVX512-BF16/AMX): our
                      AVX-512 kernel (``csrc/small_gemm_avx512.cpp``: vdpbf16ps, every row computed
                      in the same order whatever the row count) where it builds, oneDNN's otherwise;
-                     activations stay float32 outside the linears
+                     activations stay float32 outside the linears. Where oneDNN's packed product is
+                     faster for wide products (AMX tiles: on a Xeon with AMX-BF16 32 rows cost it
+                     1.1x one row, against 9x for vdpbf16ps), products wider than the measured
+                     crossover (:func:`bf16_crossover`) go to a second, oneDNN-packed copy; those
+                     rows come back rounded to bf16, so row invariance then holds only up to the
+                     crossover
 ``int8``             a drafter's runtime: weights int8 per output channel, each row of activations
                      quantized to int8 with its own scale (vpdpbusd, AVX512-VNNI; same kernel file).
                      Half the bytes of bfloat16 and twice the products per instruction; it changes
@@ -67,6 +72,7 @@ __all__ = [
     "apply_runtime",
     "model_runtime",
     "quantize_int4_rtn",
+    "bf16_crossover",
     "forward_curve",
     "pick_runtime",
     "RuntimeChoice",
@@ -77,7 +83,7 @@ __all__ = [
 ]
 
 RUNTIMES = ("float32", "bfloat16", "float32_packed", "bfloat16_packed", "int4", "int8")
-KERNELS_VERSION = 4  # part of every cached measurement's key: bump when a runtime's kernels change
+KERNELS_VERSION = 5  # part of every cached measurement's key: bump when a runtime's kernels change
 INT4_GROUP = 32
 
 
@@ -189,12 +195,14 @@ class PackedLinear(nn.Module):
     Inputs of any shape ``[..., in_features]`` and dtype; the product runs in ``dtype`` (float32 or
     bfloat16) and the output comes back in the input's dtype, shape ``[..., out_features]``.
     float32 products of up to 8 rows use :func:`small_gemm` (or, without it, MKL's packed GEMV for
-    one row), wider ones oneDNN's; bfloat16 uses :func:`avx512_kernels` for every row count (it
-    matches or beats oneDNN from 1 to 512 rows on a Zen 5 EPYC), oneDNN where that kernel is missing.
+    one row), wider ones oneDNN's; bfloat16 uses :func:`avx512_kernels` (it matches or beats oneDNN
+    from 1 to 512 rows on a Zen 5 EPYC), oneDNN where that kernel is missing. ``onednn_above``
+    (bfloat16 with the AVX-512 kernel only): products of more rows than this go to a second,
+    oneDNN-packed copy of the weight (AMX where the CPU has it); None keeps one kernel for every row.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
-                 keep_weight: bool = False):
+                 keep_weight: bool = False, onednn_above: int | None = None):
         super().__init__()
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"PackedLinear computes in float32 or bfloat16, got {dtype}")
@@ -208,8 +216,13 @@ class PackedLinear(nn.Module):
         bias_dtype = torch.float32 if self.wide is not None else dtype  # the AVX-512 kernel adds a float32 bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(bias_dtype).clone(), requires_grad=False)
         self.packed = None
+        self.onednn_above = None
         if self.wide is not None:
             self.packed_bf16 = self.wide.pack_bf16(weight)
+            if onednn_above is not None:
+                self.onednn_above = int(onednn_above)
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+                self.bias_bf16 = None if bias is None else bias.detach().to(torch.bfloat16).clone()
             return
         try:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
@@ -231,8 +244,11 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         x2 = _flatten(x, self.in_features)
-        if self.wide is not None:  # float32 in (rounded to bf16 pairs inside), float32 out
-            y = self.wide.linear_bf16(x2.float().contiguous(), self.packed_bf16, self.out_features, self.bias)
+        if self.wide is not None:
+            if self.onednn_above is not None and x2.shape[0] > self.onednn_above:  # bf16 in, bf16 out
+                y = torch.ops.mkldnn._linear_pointwise(x2.to(torch.bfloat16), self.packed, self.bias_bf16, "none", [], "")
+            else:  # float32 in (rounded to bf16 pairs inside), float32 out
+                y = self.wide.linear_bf16(x2.float().contiguous(), self.packed_bf16, self.out_features, self.bias)
             return y.to(x.dtype).reshape(*lead, self.out_features)
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
@@ -245,7 +261,8 @@ class PackedLinear(nn.Module):
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}"
+        wide = "" if self.onednn_above is None else f", onednn_above={self.onednn_above}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}{wide}"
 
 
 class RowInt8Linear(nn.Module):
@@ -395,11 +412,39 @@ def int4_crossover(linear: Int4Linear, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 
     return best
 
 
+def bf16_crossover(weight: torch.Tensor, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> int | None:
+    """The largest row count up to which the AVX-512 bf16 kernel is at least as fast as oneDNN's packed
+    bf16 product on ``weight`` ([out, in]); None when it is never slower over ``rows`` (or either
+    kernel is missing), so no second copy is worth its memory."""
+    kernels = avx512_kernels()
+    if kernels is None:
+        return None
+    weight = weight.detach().to(torch.bfloat16).contiguous()
+    try:
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    except RuntimeError:
+        return None
+    ours = kernels.pack_bf16(weight)
+    out = weight.shape[0]
+    best = 0
+    with torch.inference_mode():
+        for r in rows:
+            x = torch.randn(r, weight.shape[1])
+            xb = x.bfloat16()
+            t_ours = _timed(lambda: kernels.linear_bf16(x, ours, out, None))
+            t_onednn = _timed(lambda: torch.ops.mkldnn._linear_pointwise(xb, onednn, None, "none", [], ""))
+            if t_ours > t_onednn:
+                return best
+            best = r
+    return None
+
+
 def apply_runtime(
     model: nn.Module,
     runtime: str,
     int4_blocks: Mapping[str, Int4Block] | None = None,
     int4_max_rows: int | str = "auto",
+    bf16_max_rows: int | str | None = "auto",
 ) -> nn.Module:
     """Switch ``model`` (loaded in :func:`runtime_load_dtype`) to ``runtime`` in place; returns it.
 
@@ -408,6 +453,10 @@ def apply_runtime(
     GGUF's 6- and 8-bit tensors), otherwise every linear but ``lm_head`` is quantized round-to-nearest.
     ``int4_max_rows``: products of up to this many rows use the int4 kernel, wider ones the dense copy;
     ``auto`` measures the crossover on the largest int4 linear.
+    ``bf16_max_rows`` (``bfloat16_packed``): products of up to this many rows use the AVX-512 kernel,
+    wider ones a oneDNN-packed copy; ``auto`` measures the crossover on the largest linear but the LM
+    head (:func:`bf16_crossover`), None keeps the AVX-512 kernel for every row count (row invariance).
+    The value used is ``model.treegraft_bf16_max_rows`` (None: one kernel).
     """
     reason = runtime_unavailable(runtime, next(model.parameters()).device)
     if reason:
@@ -419,9 +468,18 @@ def apply_runtime(
         model.to(torch.bfloat16)
     elif runtime in ("float32_packed", "bfloat16_packed"):
         dtype = torch.float32 if runtime == "float32_packed" else torch.bfloat16
+        above = None
+        if runtime == "bfloat16_packed" and avx512_kernels() is not None:
+            if bf16_max_rows == "auto":
+                body = [getattr(p, n).weight for p, n, _ in _linears(model) if getattr(p, n) is not head]
+                above = bf16_crossover(max(body, key=lambda w: w.numel())) if body else None
+            else:
+                above = None if bf16_max_rows is None else int(bf16_max_rows)
+        model.treegraft_bf16_max_rows = above
         for parent, name, _ in _linears(model):
             linear = getattr(parent, name)
-            setattr(parent, name, PackedLinear.from_linear(linear, dtype, keep_weight=linear is head))
+            setattr(parent, name, PackedLinear(linear.weight, linear.bias, dtype, keep_weight=linear is head,
+                                               onednn_above=above))
     elif runtime == "int8":
         for parent, name, _ in _linears(model):
             linear = getattr(parent, name)
