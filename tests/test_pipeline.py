@@ -431,6 +431,11 @@ def test_evaluate_with_two_forked_workers_and_ablations_on_fewer_prompts(smoke, 
     assert (per["ar"] == 2).all() and (per["treegraft"] == 2).all() and (per["fixed"] == 1).all()
     assert int(summary["mismatches"].sum()) == 0
     assert records["runtime"].notna().all() and records["cpu"].notna().all() and records["tree_shape"].notna().all()
+    # the bf16 kernel crossover is in every raw record; only bfloat16_packed has one
+    raw = [json.loads(line) for f in (tmp_path / "pipeline" / "smoke" / "evaluate").glob("*/*/*.jsonl")
+           for line in f.read_text().splitlines()]
+    assert raw and all("bf16_onednn_above" in r for r in raw)
+    assert records.loc[records["runtime"] != "bfloat16_packed", "bf16_onednn_above"].isna().all()
     # the ablation's speedup is against ar on its own prompt only
     fixed = summary[summary["method"] == "fixed"].set_index("benchmark")["speedup"]
     for bench, speedup in fixed.items():

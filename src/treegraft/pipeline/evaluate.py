@@ -109,6 +109,7 @@ def read_records(eval_dir: Path) -> pd.DataFrame:
                 "matches_ar": r.get("matches_ar"), "mismatch_explained": r.get("mismatch_explained"),
                 "mean_budget": r.get("mean_budget"), "runtime": r.get("runtime"), "tree_shape": r.get("tree_shape"),
                 "cpu": r.get("cpu"), "cpu_capability": r.get("cpu_capability"),
+                "bf16_onednn_above": r.get("bf16_onednn_above"),
             })
     if not rows:
         raise FileNotFoundError(f"no evaluation records under {eval_dir}")
@@ -198,6 +199,8 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
     p, e = cfg.pipeline, cfg.evaluation
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     context = {"runtime": pair.runtime, "middle_runtime": pair.middle_runtime, "tree_shape": cfg.tree.shape, "budget_setting": str(cfg.tree.budget),
+               # bfloat16_packed: products wider than this many rows ran on oneDNN's copy (None: one kernel)
+               "bf16_onednn_above": getattr(pair.target, "treegraft_bf16_max_rows", None),
                **cpu_info()}
     target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
     todo = [m for m in methods if any(saved[b, m] is None for b in benchmarks)]
