@@ -238,8 +238,9 @@ class PackedLinear(nn.Module):
             self._shape_only = torch.zeros(1, 1).expand(self.out_features, self.in_features)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype = torch.float32, keep_weight: bool = False) -> "PackedLinear":
-        return cls(linear.weight, linear.bias, dtype, keep_weight)
+    def from_linear(cls, linear: nn.Linear, dtype: torch.dtype = torch.float32, keep_weight: bool = False,
+                    onednn_above: int | None = None) -> "PackedLinear":
+        return cls(linear.weight, linear.bias, dtype, keep_weight, onednn_above)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -397,19 +398,27 @@ def _timed(fn: Callable[[], object], min_s: float = 0.05, repeats: int = 3) -> f
     return statistics.median(times)
 
 
-def int4_crossover(linear: Int4Linear, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> int:
-    """The largest row count up to which the int4 kernel is at least as fast as the dense packed copy
-    on this linear (0: never; the dense copy then does every product)."""
+def _rows_until_slower(narrow: Callable[[torch.Tensor], object], wide: Callable[[torch.Tensor], object],
+                       in_features: int, rows: tuple[int, ...]) -> int | None:
+    """The largest row count of ``rows`` up to which ``narrow(x)`` is at least as fast as ``wide(x)``
+    (0: slower from the first), or None when it is never slower over ``rows``."""
     best = 0
     with torch.inference_mode():
         for r in rows:
-            x = torch.randn(r, linear.in_features)
-            t4 = _timed(lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, linear.group, linear.scales_zeros))
-            td = _timed(lambda: linear.dense(x))
-            if t4 > td:
-                break
+            x = torch.randn(r, in_features)
+            if _timed(lambda: narrow(x)) > _timed(lambda: wide(x)):
+                return best
             best = r
-    return best
+    return None
+
+
+def int4_crossover(linear: Int4Linear, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32)) -> int:
+    """The largest row count up to which the int4 kernel is at least as fast as the dense packed copy
+    on this linear (0: never; the dense copy then does every product)."""
+    best = _rows_until_slower(
+        lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, linear.group, linear.scales_zeros),
+        linear.dense, linear.in_features, rows)
+    return rows[-1] if best is None else best
 
 
 def bf16_crossover(weight: torch.Tensor, rows: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)) -> int | None:
@@ -425,18 +434,10 @@ def bf16_crossover(weight: torch.Tensor, rows: tuple[int, ...] = (1, 2, 4, 8, 16
     except RuntimeError:
         return None
     ours = kernels.pack_bf16(weight)
-    out = weight.shape[0]
-    best = 0
-    with torch.inference_mode():
-        for r in rows:
-            x = torch.randn(r, weight.shape[1])
-            xb = x.bfloat16()
-            t_ours = _timed(lambda: kernels.linear_bf16(x, ours, out, None))
-            t_onednn = _timed(lambda: torch.ops.mkldnn._linear_pointwise(xb, onednn, None, "none", [], ""))
-            if t_ours > t_onednn:
-                return best
-            best = r
-    return None
+    return _rows_until_slower(
+        lambda x: kernels.linear_bf16(x, ours, weight.shape[0], None),
+        lambda x: torch.ops.mkldnn._linear_pointwise(x.bfloat16(), onednn, None, "none", [], ""),
+        weight.shape[1], rows)
 
 
 def apply_runtime(
@@ -478,8 +479,7 @@ def apply_runtime(
         model.treegraft_bf16_max_rows = above
         for parent, name, _ in _linears(model):
             linear = getattr(parent, name)
-            setattr(parent, name, PackedLinear(linear.weight, linear.bias, dtype, keep_weight=linear is head,
-                                               onednn_above=above))
+            setattr(parent, name, PackedLinear.from_linear(linear, dtype, keep_weight=linear is head, onednn_above=above))
     elif runtime == "int8":
         for parent, name, _ in _linears(model):
             linear = getattr(parent, name)
