@@ -600,3 +600,29 @@ def test_offline_table_reports_the_total_rate_beside_the_mean_of_turn_ratios():
         assert table.loc[name, "total_tau"] == pytest.approx((picked["accepted"] + 1).sum() / picked["latency_s"].sum())
         assert table.loc[name, "mean_tau"] == pytest.approx(((picked["accepted"] + 1) / picked["latency_s"]).mean())
     assert table.loc["random (p=0.5)", "total_tau"] == pytest.approx((first["accepted"] + 1).sum() / first["latency_s"].sum())
+
+
+def test_make_all_sizes_its_prompts_to_the_time_budget(tmp_path):
+    """`make all` on a slower CPU runs fewer prompts per benchmark (never fewer than the floor), in collect
+    and evaluate alike, and the prediction grows with the measured target step."""
+    from treegraft.pipeline.run_all import predicted_minutes, size_to_budget
+
+    def cfgs():
+        over = ["experiment=cpu", f"paths.output_dir={tmp_path}"]
+        return {s: compose(s, over) for s in ("collect", "fit", "distill", "evaluate")}
+
+    full = cfgs()
+    assert predicted_minutes(full, 0.2) > predicted_minutes(full, 0.1)
+    fast, slow, slowest = cfgs(), cfgs(), cfgs()
+    budget = predicted_minutes(full, 0.1) + 0.5  # the configured size just fits a 100 ms step
+    n_fast, m_fast = size_to_budget(fast, budget, 0.1, low=2)
+    n_slow, m_slow = size_to_budget(slow, budget, 0.12, low=2)
+    n_min, _ = size_to_budget(slowest, budget, 5.0, low=2)
+    assert n_fast == full["evaluate"].evaluation.prompts_per_benchmark and m_fast <= budget
+    assert 2 <= n_slow < n_fast and m_slow <= budget
+    assert n_min == 2  # nothing fits: the floor
+    for name, cfg in slow.items():
+        assert cfg.pipeline.prompts_per_benchmark == n_slow, name
+    assert slow["evaluate"].evaluation.prompts_per_benchmark == n_slow
+    with pytest.raises(ValueError, match="min_prompts_per_benchmark"):
+        size_to_budget(cfgs(), budget, 0.1, low=99)

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..paths import default_cache_dir, default_models_dir
 from .embedded import EMBEDDED_MODELS, int4_blocks, is_converted
-from .runtime import RUNTIMES, apply_runtime, choose_runtime, runtime_load_dtype, runtime_unavailable
+from .runtime import RUNTIMES, RuntimeChoice, apply_runtime, choose_runtime, runtime_load_dtype, runtime_unavailable
 from .tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "TokenizerMismatchError",
     "resolve_dtype",
     "resolve_runtime",
+    "runtime_choice",
     "resolve_middle_runtime",
     "resolve_source",
     "load_model",
@@ -180,12 +181,24 @@ def resolve_runtime(
         if runtime not in RUNTIMES:
             raise ValueError(f"unknown runtime {runtime!r}; expected auto or one of {', '.join(RUNTIMES)}")
         return runtime
+    return runtime_choice(source, device, models_dir, cache_dir, log).runtime
+
+
+def runtime_choice(
+    source: str,
+    device: str | torch.device = "cpu",
+    models_dir: str | os.PathLike | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    log=print,
+) -> RuntimeChoice:
+    """``runtime=auto``'s choice for ``source`` on this machine, with the verification curve of every
+    runtime it measured (:func:`~treegraft.models.runtime.choose_runtime`, cached in
+    ``<cache_dir>/runtime.json``)."""
     exact = source.startswith(EMBEDDED_PREFIX)  # only GGUF-born models have int4 blocks of their own
     cache_file = Path(cache_dir or default_cache_dir()) / "runtime.json"
     model_id = source if not source.startswith(EMBEDDED_PREFIX) else f"{source} ({resolve_source(source, models_dir)})"
-    choice = choose_runtime(lambda rt: load_model(source, device=device, models_dir=models_dir, runtime=rt),
-                            model_id, device, cache_file=cache_file, log=log, int4_exact=exact)
-    return choice.runtime
+    return choose_runtime(lambda rt: load_model(source, device=device, models_dir=models_dir, runtime=rt),
+                          model_id, device, cache_file=cache_file, log=log, int4_exact=exact)
 
 
 def make_self_draft(target: nn.Module, num_layers: int) -> nn.Module:

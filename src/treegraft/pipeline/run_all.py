@@ -6,6 +6,12 @@ ETA follows the slow units (enumerated turns of a 1.5B pair) and not the count o
 the same library call its own entry point makes (``run_collect``, ``run_fit``, ...), with the same
 resumability: an interrupted ``make all`` redoes only what is missing. At the end it prints the
 wall time of every stage and where the tables and figures are.
+
+With ``pipeline.time_budget_min`` (the ``cpu`` experiment sets it), the run is sized to the machine
+before it starts (:func:`size_to_budget`): it measures the main pair's one-token target step on this
+CPU and takes the most prompts per benchmark, from ``pipeline.prompts_per_benchmark`` down to
+``pipeline.min_prompts_per_benchmark``, whose predicted wall time fits the budget (collect and
+evaluate alike), so a slower CPU runs fewer prompts in about the same time.
 """
 
 from __future__ import annotations
@@ -13,22 +19,31 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from tqdm.auto import tqdm
 
-from ..models.loading import resolve_source
+from ..machine import cpu_line
+from ..models.loading import load_model, resolve_source, runtime_choice
+from ..models.runtime import curve_at, effective_runtime, forward_curve
 from .artifacts import stage_dir
 from .collect import pair_settings, run_collect
 from .common import pair_spec, print_table
 from .distill import run_distill
 from .evaluate import eval_pairs, method_prompts, run_evaluate
 from .fit import run_fit
+from .parallel import one_thread_if_forking
 from .report import make_figures, make_tables
 
-__all__ = ["run_all", "work_plan"]
+__all__ = ["run_all", "work_plan", "predicted_minutes", "size_to_budget", "set_prompts", "step_seconds"]
 
 ENUMERATION_FACTOR = 6.0  # an enumerated turn costs about this many ordinary turns (62 steps, shared verifications)
+# Wall seconds of the stages per unit of :func:`work_plan` and per second of the main target's one-token
+# step (t(1) of `runtime=auto`'s curve, one thread), from fresh-clone runs of `make all` with two workers
+# (the results pages): Zen 5 EPYC 0.086 (30.4 min of stages, t(1) ~0.10 s), Zen 4 EPYC 0.125 (69.1 min,
+# t(1) 0.157 s). The larger, so that a prediction errs long.
+SECONDS_PER_UNIT_STEP = 0.125
+SETUP_MINUTES = 4.5  # .venv and the embedded models, before the first stage (not in the work plan)
 
 
 def _pair_weight(cfg: DictConfig, pair: str) -> float:
@@ -62,10 +77,64 @@ def work_plan(cfgs: dict[str, DictConfig]) -> dict[str, float]:
     return {"collect": collect, "fit": small, "distill": small, "evaluate": evaluate, "report": small / 2}
 
 
+def predicted_minutes(cfgs: dict[str, DictConfig], step_s: float) -> float:
+    """Predicted wall minutes of ``make all`` (setup included) when the main target's one-token step takes
+    ``step_s`` seconds."""
+    return SETUP_MINUTES + SECONDS_PER_UNIT_STEP * step_s * sum(work_plan(cfgs).values()) / 60
+
+
+def set_prompts(cfgs: dict[str, DictConfig], n: int) -> None:
+    """Collect and evaluate ``n`` prompts per benchmark, in every stage's config (evaluate's prompts come
+    right after collect's, so every stage must agree on collect's count)."""
+    for cfg in cfgs.values():
+        OmegaConf.update(cfg, "pipeline.prompts_per_benchmark", int(n))
+        for pair, override in (cfg.pipeline.get("pair_overrides") or {}).items():
+            if override and int(override.get("prompts_per_benchmark", 0)) > n:
+                OmegaConf.update(cfg, f"pipeline.pair_overrides.{pair}.prompts_per_benchmark", int(n))
+        if "evaluation" in cfg:
+            OmegaConf.update(cfg, "evaluation.prompts_per_benchmark", int(n))
+
+
+def size_to_budget(cfgs: dict[str, DictConfig], budget_min: float, step_s: float, low: int) -> tuple[int, float]:
+    """(prompts per benchmark, predicted minutes): the most prompts, from the configured count down to
+    ``low``, whose predicted time fits ``budget_min``; ``low`` when none fits. Sets them in ``cfgs``."""
+    high = max(int(cfgs["collect"].pipeline.prompts_per_benchmark), int(cfgs["evaluate"].evaluation.prompts_per_benchmark))
+    if low < 1 or low > high:
+        raise ValueError(f"pipeline.min_prompts_per_benchmark must be in [1, {high}] (the configured prompts), got {low}")
+    for n in range(high, low - 1, -1):
+        set_prompts(cfgs, n)
+        minutes = predicted_minutes(cfgs, step_s)
+        if minutes <= budget_min:
+            return n, minutes
+    return low, minutes
+
+
+def step_seconds(cfg: DictConfig, log=print) -> float:
+    """Seconds of one target step (one token on a 256-token cache, LM head included) of the first pair,
+    on the runtime the stages will use, one thread per worker as they run: ``runtime=auto``'s cached (or
+    now measured) curve, else one measurement."""
+    spec = pair_spec(cfg.pipeline.pairs[0])
+    runtime = effective_runtime(cfg.runtime, cfg.pipeline.dtype)
+    device = cfg.pipeline.device
+    with one_thread_if_forking(cfg.pipeline.get("workers", 1)):
+        if runtime == "auto":
+            choice = runtime_choice(spec.target, device, cfg.paths.models_dir, cfg.paths.cache_dir, log)
+            return curve_at(choice.curves[choice.runtime], 1) if choice.curves else forward_curve(
+                load_model(spec.target, device=device, models_dir=cfg.paths.models_dir, runtime=choice.runtime), sizes=(1,))[1]
+        model = load_model(spec.target, device=device, models_dir=cfg.paths.models_dir, runtime=runtime)
+        return forward_curve(model, sizes=(1,))[1]
+
+
 def run_all(cfgs: dict[str, DictConfig]) -> dict[str, float]:
     """Run every stage with the composed config of its entry point (``cfgs[stage]``); returns wall seconds
     per stage."""
     console = Console(width=200, stderr=True)
+    p = cfgs["collect"].pipeline
+    if p.get("time_budget_min"):
+        step_s = step_seconds(cfgs["collect"], console.print)
+        n, minutes = size_to_budget(cfgs, float(p.time_budget_min), step_s, int(p.get("min_prompts_per_benchmark") or 1))
+        console.print(f"sized to {p.time_budget_min:g} min on {cpu_line()}: target step {1000 * step_s:.0f} ms -> "
+                      f"{n} prompts per benchmark in collect and evaluate (predicted {minutes:.0f} min)")
     plan = work_plan(cfgs)
     total = sum(plan.values())
     bar = tqdm(total=round(total), desc=f"make all ({cfgs['collect'].pipeline.name})", unit="work", file=console.file,
