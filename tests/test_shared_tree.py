@@ -227,38 +227,6 @@ def test_turn_and_planner_signals_follow_the_decoding(tiny_pair, tmp_path):
     assert all(s["expected_al"] >= 0 for s in seen) and any(s["expected_al"] > 0 for s in seen)
 
 
-@pytest.mark.parametrize("method", ["all_mid", "fixed", "no_nondestructive", "no_expanded_selection"])
-def test_confident_continuation_stays_lossless(tiny_pair, method):
-    tok, target = tiny_pair.tokenizer, tiny_pair.target
-    for middle in (target, tiny_pair.middle):
-        for text in ("hello hello hello world", REPEATING):
-            ids = tok(text).input_ids
-            cfg = TreeConfig(method=method, budget=30, mid_chain=0.05, mid_chain_max=6)
-            out = TreeGraftDecoder(target, middle, tok, cfg).generate(ids, 32)
-            assert out.tokens == AutoregressiveDecoder(target, {2}).generate(ids, 32).tokens, (method, text)
-
-
-def test_confident_continuation_drafts_deep_in_one_call(tiny_pair):
-    """With the target as its own middle drafter and a threshold every token passes, one call drafts down to
-    the planned depth (the chain stops at B_ver) and the target accepts all of it; without the
-    continuation a one-step turn accepts one token."""
-    tok, target = tiny_pair.tokenizer, tiny_pair.target
-    ids = tok("hello world").input_ids
-    base = dict(method="all_mid", depth=1, budget=12, width=1, top_m=1)
-    plain = TreeGraftDecoder(target, target, tok, TreeConfig(**base)).generate(ids, 40)
-    chained = TreeGraftDecoder(target, target, tok, TreeConfig(**base, mid_chain=1e-9, mid_chain_max=20)).generate(ids, 40)
-    ref = AutoregressiveDecoder(target, {2}).generate(ids, 40).tokens
-    assert plain.tokens == ref and chained.tokens == ref
-    assert all(t["accepted"] <= 1 for t in plain.turns)
-    full = chained.turns[:-1]  # the last turn may be cut short
-    assert full and all(t["accepted"] == 12 and t["middle_chain"] == 11 for t in full)
-    # a threshold no token reaches leaves the tree as it was
-    strict = TreeGraftDecoder(target, target, tok, TreeConfig(**base, mid_chain=1.0)).generate(ids, 40)
-    assert strict.tokens == ref and all(t.get("middle_chain", 0) == 0 for t in strict.turns)
-    with pytest.raises(ValueError, match="mid_chain"):
-        TreeConfig(method="fixed", mid_chain=1.5)
-
-
 def test_warm_up_times_calls_without_the_prompt_catch_up(tiny_pair, monkeypatch):
     """The warm-up's t_mid is a call's cost, as `collect` measures it: the prompt is encoded at prefill, so
     no timed call carries it (with the lazy catch-up the first call did, and t_mid doubled online)."""

@@ -102,11 +102,6 @@ class TreeConfig:
     skip_beyond_budget: leave out the work of a step that cannot change the pruned tree (every node it
         could add or rescore lies deeper than B_ver, so pruning would drop it); the verified tree is the
         same, only the wasted drafter calls go. Matters where B_ver is small (``auto`` on a CPU).
-    mid_chain: confident continuation of a middle step: after expanding, the middle drafter keeps
-        expanding the step's best new node (one one-row forward each) while its own probability of that
-        node's token is at least this, up to ``mid_chain_max`` nodes (None = off: a step grows the tree by
-        one level, as in the paper). A confident drafter then drafts deep in one step, as a chain drafter
-        with a confidence stop does (transformers' ``assistant_confidence_threshold``).
     """
 
     method: str = "all_small"
@@ -124,8 +119,6 @@ class TreeConfig:
     skip_beyond_budget: bool = True
     shape: str = "paper"
     draft_vocab: int | None = None
-    mid_chain: float | None = None
-    mid_chain_max: int = 8
 
     def __post_init__(self) -> None:
         if isinstance(self.ngram, dict):
@@ -147,10 +140,6 @@ class TreeConfig:
             raise ValueError(f"shape must be auto or paper, got {self.shape!r}")
         if self.draft_vocab is not None and int(self.draft_vocab) < 1:
             raise ValueError(f"draft_vocab must be a positive size or null, got {self.draft_vocab!r}")
-        if self.mid_chain is not None and not 0.0 < float(self.mid_chain) <= 1.0:
-            raise ValueError(f"mid_chain must be a probability in (0, 1] or null, got {self.mid_chain!r}")
-        if int(self.mid_chain_max) < 0:
-            raise ValueError(f"mid_chain_max must be >= 0, got {self.mid_chain_max!r}")
 
     @property
     def preset(self) -> MethodPreset:
@@ -402,7 +391,6 @@ class TreeGraftDecoder:
                 if len(tree) >= cap:
                     break
                 tree.add_child(node, token, score, MIDDLE, step)
-        self._continue_confident(tree, nodes, step, stats)
         stats["middle_forward_s"] += mid.forward_s - before
         stats["middle_s"] += time.perf_counter() - start
         stats["middle_calls"] += 1
@@ -459,7 +447,6 @@ class TreeGraftDecoder:
             if preset.grafting == "destructive":
                 tree.remove_subtrees_below(node)
             self._graft_children(tree, node, step)
-        self._continue_confident(tree, selected, step, stats)
         stats["middle_forward_s"] += mid.forward_s - before
         stats["middle_s"] += time.perf_counter() - start
         stats["middle_calls"] += 1
@@ -479,35 +466,6 @@ class TreeGraftDecoder:
             if len(tree) >= cap:
                 break
             tree.add_child(node, token, score, MIDDLE, step)
-
-    def _continue_confident(self, tree: DraftTree, expanded: list[int], step: int, stats: dict) -> None:
-        """``cfg.mid_chain``: after a middle step, keep expanding its best new node (the best-scored child
-        of the nodes it expanded), then that node's best child, and so on, while the middle drafter's
-        own probability of the node's token is at least ``cfg.mid_chain``: one forward of one new row
-        each, at most ``cfg.mid_chain_max``, never at or past the planned B_ver's depth (pruning would
-        drop the children). Grafting follows the method's rule."""
-        threshold = self.cfg.mid_chain
-        if threshold is None:
-            return
-        mid, cap = self.middle, self.cfg.node_cap
-        horizon = self.budget() if self.cfg.skip_beyond_budget else math.inf
-        kids = [c for n in expanded if tree.alive[n] and n in mid.logprobs for c in tree.children[n].values()
-                if tree.alive[c]]
-        log_threshold = math.log(threshold)
-        for _ in range(int(self.cfg.mid_chain_max)):
-            if not kids:
-                break
-            node = max(kids, key=lambda c: (tree.cum[c], -c))
-            if (tree.visited[node] or tree.depth[node] >= horizon or len(tree) >= cap
-                    or mid.logprobs[tree.parent[node]].score(tree.token[node]) < log_threshold):
-                break
-            mid.encode(tree, [node])
-            if self.cfg.preset.grafting == "destructive":
-                tree.remove_subtrees_below(node)
-            self._graft_children(tree, node, step)
-            stats["middle_chain"] = stats.get("middle_chain", 0) + 1
-            kids = [c for c in tree.children[node].values() if tree.alive[c]]
-        tree.recompute_cum(0)
 
     def _graft_is_beyond(self, tree: DraftTree, step: int, horizon: int, rescored_from: int) -> bool:
         """True when a shared middle step cannot change the tree pruned to ``horizon`` nodes: every node
