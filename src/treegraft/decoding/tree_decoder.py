@@ -384,6 +384,7 @@ class TreeGraftDecoder:
         mid = self.middle
         before = mid.forward_s
         mid.encode(tree, nodes)
+        stats["middle_forward_s"] += mid.forward_s - before
         m, cap = self.shape()[1], self.cfg.node_cap
         for node in nodes:
             lp, ids = mid.logprobs[node].topk(m)
@@ -391,7 +392,6 @@ class TreeGraftDecoder:
                 if len(tree) >= cap:
                     break
                 tree.add_child(node, token, score, MIDDLE, step)
-        stats["middle_forward_s"] += mid.forward_s - before
         stats["middle_s"] += time.perf_counter() - start
         stats["middle_calls"] += 1
 
@@ -441,31 +441,25 @@ class TreeGraftDecoder:
         tree.recompute_cum(0)
         selected = self._top_w(tree, pool)  # rescoring changes scores, not who is in the pool
         mid.encode(tree, selected)  # already encoded: this only adds their log-probability rows
+        stats["middle_forward_s"] += mid.forward_s - before
+        m, cap = self.shape()[1], self.cfg.node_cap
         for node in selected:
             if not tree.alive[node]:  # removed by a destructive graft above it in this same step
                 continue
+            tree.visited[node] = True
             if preset.grafting == "destructive":
                 tree.remove_subtrees_below(node)
-            self._graft_children(tree, node, step)
-        stats["middle_forward_s"] += mid.forward_s - before
+            lp, ids = mid.logprobs[node].topk(m)
+            for token, score in zip(ids, lp):
+                child = tree.children[node].get(token)
+                if child is not None:  # non-destructive: the branch stays, with the middle's score
+                    tree.edge[child] = score
+                    continue
+                if len(tree) >= cap:
+                    break
+                tree.add_child(node, token, score, MIDDLE, step)
         stats["middle_s"] += time.perf_counter() - start
         stats["middle_calls"] += 1
-
-    def _graft_children(self, tree: DraftTree, node: int, step: int) -> None:
-        """The middle drafter's top-m tokens under ``node`` (its log-probabilities are computed), grafted
-        non-destructively: a token already among the children keeps its node and subtree and takes the
-        middle drafter's score; the others become new children. Marks ``node`` visited."""
-        tree.visited[node] = True
-        m, cap = self.shape()[1], self.cfg.node_cap
-        lp, ids = self.middle.logprobs[node].topk(m)
-        for token, score in zip(ids, lp):
-            child = tree.children[node].get(token)
-            if child is not None:
-                tree.edge[child] = score
-                continue
-            if len(tree) >= cap:
-                break
-            tree.add_child(node, token, score, MIDDLE, step)
 
     def _graft_is_beyond(self, tree: DraftTree, step: int, horizon: int, rescored_from: int) -> bool:
         """True when a shared middle step cannot change the tree pruned to ``horizon`` nodes: every node
