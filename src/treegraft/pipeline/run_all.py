@@ -39,11 +39,12 @@ __all__ = ["run_all", "work_plan", "predicted_minutes", "size_to_budget", "set_p
 
 ENUMERATION_FACTOR = 6.0  # an enumerated turn costs about this many ordinary turns (62 steps, shared verifications)
 # Wall seconds of the stages per unit of :func:`work_plan` and per second of the main target's one-token
-# step (t(1) of `runtime=auto`'s curve, one thread), from fresh-clone runs of `make all` with two workers
-# (the results pages): Zen 5 EPYC 0.086 (30.4 min of stages, t(1) ~0.10 s), Zen 4 EPYC 0.125 (69.1 min,
-# t(1) 0.157 s). The larger, so that a prediction errs long.
-SECONDS_PER_UNIT_STEP = 0.125
-SETUP_MINUTES = 4.5  # .venv and the embedded models, before the first stage (not in the work plan)
+# step as :func:`step_seconds` measures it before the run, from fresh-clone runs of `make all` with two
+# workers on the Zen 4 EPYC (docs/results/amd-epyc-zen4.md): 0.083 (2 + 2 prompts, step 0.208 s, 35.2 min
+# of stages) and 0.063 (4 + 2, step 0.250 s, 37.6 min). The larger, so that a prediction errs long. (The
+# Zen 5 run's 33.5 min at 4 + 4 and a t(1) of ~0.10 s gives ~0.086 too.)
+SECONDS_PER_UNIT_STEP = 0.085
+SETUP_MINUTES = 8.5  # .venv, model packages and conversions before the first stage (Zen 4: 8.1 and 8.9 min)
 
 
 def _pair_weight(cfg: DictConfig, pair: str) -> float:
