@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from tqdm.auto import tqdm
 
@@ -35,7 +35,7 @@ from .fit import run_fit
 from .parallel import one_thread_if_forking
 from .report import make_figures, make_tables
 
-__all__ = ["run_all", "work_plan", "predicted_minutes", "size_to_budget", "set_prompts", "step_seconds"]
+__all__ = ["run_all", "work_plan", "predicted_minutes", "size_to_budget", "step_seconds"]
 
 ENUMERATION_FACTOR = 6.0  # an enumerated turn costs about this many ordinary turns (62 steps, shared verifications)
 # Wall seconds of the stages per unit of :func:`work_plan` and per second of the main target's one-token
@@ -84,18 +84,6 @@ def predicted_minutes(cfgs: dict[str, DictConfig], step_s: float) -> float:
     return SETUP_MINUTES + SECONDS_PER_UNIT_STEP * step_s * sum(work_plan(cfgs).values()) / 60
 
 
-def set_prompts(cfgs: dict[str, DictConfig], collect: int, evaluate: int) -> None:
-    """``collect`` prompts per benchmark in collect and ``evaluate`` in evaluate, in every stage's config
-    (evaluate's prompts come right after collect's, so every stage must agree on collect's count)."""
-    for cfg in cfgs.values():
-        OmegaConf.update(cfg, "pipeline.prompts_per_benchmark", int(collect))
-        for pair, override in (cfg.pipeline.get("pair_overrides") or {}).items():
-            if override and int(override.get("prompts_per_benchmark", 0)) > collect:
-                OmegaConf.update(cfg, f"pipeline.pair_overrides.{pair}.prompts_per_benchmark", int(collect))
-        if "evaluation" in cfg:
-            OmegaConf.update(cfg, "evaluation.prompts_per_benchmark", int(evaluate))
-
-
 def size_to_budget(cfgs: dict[str, DictConfig], budget_min: float, step_s: float,
                    low: int) -> tuple[int, int, float]:
     """(collect prompts, evaluate prompts, predicted minutes) per benchmark: the most evaluation prompts,
@@ -103,14 +91,15 @@ def size_to_budget(cfgs: dict[str, DictConfig], budget_min: float, step_s: float
     does). Collect keeps its configured count: evaluation is most of the time and fewer evaluation
     prompts only widen the tables' noise, while fewer collected turns break the scheduler (with 2
     collected prompts per benchmark, ~63 turns, the distilled scheduler fell to 66-67% of the oracle
-    offline on the Zen 4 EPYC, below a random policy, against 84% with 4). Sets the counts in ``cfgs``."""
+    offline on the Zen 4 EPYC, below a random policy, against 82-84% with 4). Sets evaluate's count in
+    ``cfgs``, the only stage that reads it."""
     collect = int(cfgs["collect"].pipeline.prompts_per_benchmark)
     high = int(cfgs["evaluate"].evaluation.prompts_per_benchmark)
     if low < 1 or low > high:
         raise ValueError(f"pipeline.min_prompts_per_benchmark must be in [1, {high}] (the configured evaluation "
                          f"prompts), got {low}")
     for n in range(high, low - 1, -1):
-        set_prompts(cfgs, collect, n)
+        cfgs["evaluate"].evaluation.prompts_per_benchmark = n
         minutes = predicted_minutes(cfgs, step_s)
         if minutes <= budget_min:
             break
@@ -127,8 +116,9 @@ def step_seconds(cfg: DictConfig, log=print) -> float:
     with one_thread_if_forking(cfg.pipeline.get("workers", 1)):
         if runtime == "auto":
             choice = runtime_choice(spec.target, device, cfg.paths.models_dir, cfg.paths.cache_dir, log)
-            return curve_at(choice.curves[choice.runtime], 1) if choice.curves else forward_curve(
-                load_model(spec.target, device=device, models_dir=cfg.paths.models_dir, runtime=choice.runtime), sizes=(1,))[1]
+            if choice.curves:
+                return curve_at(choice.curves[choice.runtime], 1)
+            runtime = choice.runtime
         model = load_model(spec.target, device=device, models_dir=cfg.paths.models_dir, runtime=runtime)
         return forward_curve(model, sizes=(1,))[1]
 
