@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -22,8 +24,10 @@ from treegraft.models.runtime import (
     model_runtime,
     pick_runtime,
     quantize_int4_rtn,
+    release_file_mappings,
     runtime_unavailable,
 )
+from treegraft.models.runtime import _file_mapped_ranges
 
 from .conftest import require_embedded
 
@@ -399,3 +403,54 @@ def test_middle_runtime_rule():
     assert resolve_middle_runtime("auto", "float32_packed", "cuda") == "float32_packed"
     with pytest.raises(ValueError, match="unknown middle_runtime 'int3'"):
         resolve_middle_runtime("int3", "float32")
+
+
+def _file_backed(model: nn.Module) -> list[str]:
+    """Names of the tensors reachable from ``model`` (parameters, buffers, plain attributes) whose memory
+    lies in a file mapping of this process."""
+    ranges = _file_mapped_ranges()
+    found = []
+    for mod_name, module in model.named_modules():
+        tensors = {**module._parameters, **module._buffers,
+                   **{k: v for k, v in vars(module).items() if type(v) is torch.Tensor}}
+        for name, t in tensors.items():
+            if t is not None and t.layout == torch.strided and not t.is_mkldnn and t.numel():
+                ptr = t.untyped_storage().data_ptr()
+                if any(start <= ptr < end for start, end in ranges):
+                    found.append(f"{mod_name}.{name}")
+    return found
+
+
+needs_proc_maps = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/self/maps (Linux)")
+
+
+@needs_proc_maps
+def test_release_file_mappings_copies_checkpoint_views_and_keeps_sharing(tmp_path):
+    """A checkpoint loaded by transformers is views of the mapped file; afterwards nothing is, every
+    tensor that shared memory still shares it, and the logits are bit for bit the same."""
+    from transformers import AutoModelForCausalLM
+
+    build_tiny_model(0).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    assert "lm_head.weight" in _file_backed(model)  # the premise: the loader maps the safetensors file
+    model.lm_head.kept = model.lm_head.weight.detach()  # a plain attribute on a parameter's memory
+    ids = list(range(3, 40))
+    ref = _logits(model, ids)
+    assert release_file_mappings(model) >= model.lm_head.weight.numel() * 4
+    assert _file_backed(model) == []
+    assert model.lm_head.kept.data_ptr() == model.lm_head.weight.data_ptr()
+    assert torch.equal(_logits(model, ids), ref)
+    assert release_file_mappings(model) == 0  # nothing left to copy
+
+
+@needs_proc_maps
+def test_a_packed_runtime_leaves_no_tensor_in_the_checkpoint_file(tmp_path):
+    """The packed linears' source pages would stay resident while any leftover tensor (norms, the
+    embedding, the kept head weight) kept the file mapped."""
+    from treegraft.models import load_model
+
+    build_tiny_model(0).save_pretrained(tmp_path)
+    ids = list(range(3, 40))
+    model = load_model(str(tmp_path), runtime="float32_packed")
+    assert _file_backed(model) == []
+    torch.testing.assert_close(_logits(model, ids), _logits(build_tiny_model(0), ids), rtol=1e-4, atol=1e-4)
