@@ -17,6 +17,7 @@ from treegraft.models.runtime import (
     Int4Linear,
     PackedLinear,
     RuntimeUnavailable,
+    _file_mapped_ranges,
     apply_runtime,
     choose_runtime,
     curve_at,
@@ -27,7 +28,6 @@ from treegraft.models.runtime import (
     release_file_mappings,
     runtime_unavailable,
 )
-from treegraft.models.runtime import _file_mapped_ranges
 
 from .conftest import require_embedded
 
