@@ -19,8 +19,8 @@ from rich.console import Console
 
 from treegraft.config import CONF_DIR, check_config_choices
 from treegraft.pipeline.artifacts import MissingArtifactError, stage_dir
-from treegraft.pipeline.common import print_table
-from treegraft.pipeline.report import make_figures, make_tables
+from treegraft.pipeline.common import fold_intervals, print_table
+from treegraft.pipeline.report import headline_metrics, make_figures, make_tables
 from treegraft.pipeline.tracking import stage_logger
 
 
@@ -31,11 +31,13 @@ def main(cfg: DictConfig) -> None:
     log = stage_logger(cfg, "report")
     try:
         if cfg.tables:
-            tables = make_tables(exp_dir, list(cfg.pipeline.held_out_pairs or []), list(cfg.pipeline.held_out_benchmarks))
-            for name in ("main", "gain", "ablation", "scheduling", "held_out", "offline_scheduler"):
+            tables = make_tables(exp_dir, list(cfg.pipeline.held_out_pairs or []), list(cfg.pipeline.held_out_benchmarks),
+                                 n_resamples=int(cfg.pipeline.bootstrap_resamples))
+            for name in ("main", "gain", "ablation", "scheduling", "held_out", "offline_scheduler", "offline_contrasts"):
                 if name in tables and not tables[name].empty:
-                    print_table(tables[name], name, console)
+                    print_table(fold_intervals(tables[name]), f"{name} (95% CIs over prompts)", console)
                     log.log_table(name, tables[name])
+            log.log_metrics(headline_metrics(tables))
         if cfg.figures:
             for path in make_figures(exp_dir):
                 if path.suffix == ".png":

@@ -282,8 +282,21 @@ def test_tables_and_figures_from_saved_records_alone(smoke, tmp_path):
     main = tables["main"].set_index("method")
     assert main.loc["ar", "mean speedup"] == pytest.approx(1.0)
     assert (main["mismatches"] == 0).all()
-    assert set(tables["held_out"]["split"]) == {"held-out benchmarks"}
-    for name in ("main", "gain", "ablation", "scheduling", "held_out", "offline_scheduler", "oof"):
+    # every figure carries its 95% CI and n: CSV columns, and "value [lo, hi]" cells in Markdown / LaTeX
+    assert (main["mean speedup lo"] <= main["mean speedup"] + 1e-12).all()
+    assert (main["mean speedup"] <= main["mean speedup hi"] + 1e-12).all()
+    assert (main["n prompts"] == 2).all()  # the smoke run: 1 prompt of each of 2 benchmarks
+    gain = tables["gain"].iloc[0]
+    for col in ("gain vs better endpoint %", "gain vs best HF peer %"):
+        assert gain[f"{col} lo"] <= gain[col] <= gain[f"{col} hi"]
+    assert set(tables["held_out"]["split"]) == {"held-out benchmark"}
+    offline = tables["offline_scheduler"]
+    assert offline["pct_of_oracle_lo"].notna().all() and (offline["prompts"] > 0).all()
+    assert not tables["offline_contrasts"].empty
+    md = (tmp_path / "main.md").read_text()
+    assert "mean speedup" in md and "1.00 [1.00, 1.00]" in md  # ar against itself
+    for name in ("main", "gain", "ablation", "scheduling", "held_out", "offline_scheduler", "offline_contrasts", "oof",
+                 "intervals"):
         for ext in ("csv", "md", "tex"):
             assert (tmp_path / f"{name}.{ext}").stat().st_size > 0, (name, ext)
     figures = make_figures(exp, out_dir=tmp_path)

@@ -14,8 +14,9 @@ from rich.table import Table
 from ..config import CONF_DIR
 from ..data import BenchmarkConfig, format_prompt, load_benchmark
 from ..models import PairSpec
+from ..stats import Interval
 
-__all__ = ["pair_spec", "stage_prompts", "print_table", "fit_pairs", "run_stage_cli"]
+__all__ = ["pair_spec", "stage_prompts", "print_table", "fit_pairs", "run_stage_cli", "to_markdown", "fold_intervals"]
 
 
 def pair_spec(name: str) -> PairSpec:
@@ -70,6 +71,24 @@ def to_markdown(df: pd.DataFrame, floats: str = "{:.3f}") -> str:
     for _, r in df.iterrows():
         lines.append("| " + " | ".join(floats.format(v) if isinstance(v, float) else str(v) for v in r.tolist()) + " |")
     return "\n".join(lines) + "\n"
+
+
+def fold_intervals(df: pd.DataFrame, floats: str = "{:.2f}") -> pd.DataFrame:
+    """For display: every ``X`` with ``X lo`` / ``X hi`` (or ``X_lo`` / ``X_hi``) columns becomes one text
+    column ``X [lo, hi]``; other floats are formatted with ``floats``."""
+    out = {}
+    cols = list(df.columns)
+    for c in cols:
+        if any(c == f"{b}{sep}{end}" for b in cols for sep in (" ", "_") for end in ("lo", "hi")):
+            continue
+        lo = next((f"{c}{sep}lo" for sep in (" ", "_") if f"{c}{sep}lo" in df), None)
+        hi = next((f"{c}{sep}hi" for sep in (" ", "_") if f"{c}{sep}hi" in df), None)
+        if lo and hi:
+            out[c] = [Interval(v, a, b, 0).format(floats) for v, a, b in zip(df[c], df[lo], df[hi])]
+        else:
+            out[c] = [floats.format(v) if isinstance(v, float) and v == v else ("--" if isinstance(v, float) else v)
+                      for v in df[c]]
+    return pd.DataFrame(out, index=df.index)
 
 
 def run_stage_cli(run, cfg: DictConfig) -> None:

@@ -23,13 +23,14 @@ from rich.console import Console
 
 from ..scheduling.features import state_names
 from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor, plan_margins
-from ..scheduling.offline import TURN_KEYS, evaluate_policies, state_rows
+from ..scheduling.offline import TURN_KEYS, policy_turns, state_rows, summarize_policies
 from ..scheduling.policy import StepState
 from ..scheduling.signals import SIGNAL_NAMES
 from ..scheduling.value import ValueSystem, fit_value_system, grouped_folds
-from .artifacts import atomic_write_json, atomic_write_text, record_stage, require, stage_dir, up_to_date
+from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_text, record_stage, require, stage_dir, up_to_date
 from .collect import load_rows, row_files
 from .common import fit_pairs, print_table, to_markdown
+from .estimates import offline_prompt_intervals
 from .fit import mlp_config
 from .tracking import stage_logger
 
@@ -37,6 +38,8 @@ __all__ = ["run_distill", "distill_predictor", "states_of", "time_decisions", "I
 
 IN_SAMPLE_DISTILLED = "distilled, in-sample (fitted on these turns)"
 IN_SAMPLE_PLANNER = "direct planner, in-sample (fitted on these turns)"
+DISTILLED = "TreeGraft scheduler (distilled)"
+PLANNER = "direct planner (value system)"
 
 
 def states_of(rows: pd.DataFrame) -> pd.DataFrame:
@@ -138,17 +141,19 @@ def run_distill(cfg: DictConfig) -> dict:
     # offline evaluation, cross-fitted over grouped folds
     turn_reports = rows.drop_duplicates(TURN_KEYS)
     folds = grouped_folds(rows["report"].to_numpy(), int(s.folds))
-    tables = []
+    tables, turn_frames = [], []
     for k, (train_idx, test_idx) in enumerate(folds):
         train, test = rows.iloc[train_idx], rows.iloc[test_idx]
         vs_k = fit_value_system(train, depth, vs.signals, value_mlp, latency_prior=vs.latency_prior)
         pred_k, _, _ = distill_predictor(train, vs_k, pred_mlp, scales)
         policies = {
-            "TreeGraft scheduler (distilled)": (vs.signals, lambda x, t, m=pred_k: (m.predict(x) > float(s.threshold)).astype(int)),
-            "direct planner (value system)": (vs.signals, lambda x, t, v=vs_k: (plan_margins(v, x, np.full(len(x), t)) > 0).astype(int)),
+            DISTILLED: (vs.signals, lambda x, t, m=pred_k: (m.predict(x) > float(s.threshold)).astype(int)),
+            PLANNER: (vs.signals, lambda x, t, v=vs_k: (plan_margins(v, x, np.full(len(x), t)) > 0).astype(int)),
         }
         for pair_name, test_pair in test.groupby("pair", sort=False):  # per pair: the table reports each
-            tables.append(evaluate_policies(test_pair, depth, policies, train_rows=train).assign(fold=k, pair=pair_name))
+            turns_k = policy_turns(test_pair, depth, policies, train_rows=train).assign(fold=k, pair=pair_name)
+            turn_frames.append(turns_k)
+            tables.append(summarize_policies(turns_k).assign(fold=k, pair=pair_name))
     per_fold = pd.concat(tables, ignore_index=True)
     per_fold["policy_group"] = per_fold["policy"].str.replace(r"best fixed \[\d+\]", "best fixed", regex=True)
     # in-sample: the deployed heads and predictor, fitted on every turn, followed through those same
@@ -158,10 +163,12 @@ def run_distill(cfg: DictConfig) -> dict:
         IN_SAMPLE_DISTILLED: (vs.signals, lambda x, t: (predictor.predict(x) > float(s.threshold)).astype(int)),
         IN_SAMPLE_PLANNER: (vs.signals, lambda x, t: (plan_margins(vs, x, np.full(len(x), t)) > 0).astype(int)),
     }
-    in_sample = [evaluate_policies(pair_rows, depth, deployed).assign(pair=pair_name)
-                 for pair_name, pair_rows in rows.groupby("pair", sort=False)]
-    in_sample = pd.concat(in_sample, ignore_index=True)
-    in_sample = in_sample[in_sample["policy"].isin(list(deployed))].assign(policy_group=lambda d: d["policy"])
+    in_sample_turns = pd.concat([policy_turns(pair_rows, depth, deployed).assign(pair=pair_name)
+                                 for pair_name, pair_rows in rows.groupby("pair", sort=False)], ignore_index=True)
+    in_sample_turns = in_sample_turns[in_sample_turns["policy"].isin(list(deployed))]
+    in_sample = pd.concat([summarize_policies(g).assign(pair=pair_name)
+                           for pair_name, g in in_sample_turns.groupby("pair", sort=False)], ignore_index=True)
+    in_sample = in_sample.assign(policy_group=lambda d: d["policy"])
     # pool the folds (and the in-sample rows after them): turn-weighted means per pair and over every
     # pair (the best fixed schedule may differ per fold)
     pooled = pd.concat([per_fold, in_sample], ignore_index=True)
@@ -176,16 +183,27 @@ def run_distill(cfg: DictConfig) -> dict:
             row["turns"] = int(w.sum())
             agg.append(row)
     table = pd.DataFrame(agg)
-    oracle = table[table["policy"] == "oracle"].set_index("pair")["mean_tau"]
-    table.insert(3, "pct_of_oracle", 100 * table["mean_tau"] / table["pair"].map(oracle))
+    # shares of the oracle with CIs that resample prompts (a prompt's turns are not independent)
+    turn_table = pd.concat([*turn_frames, in_sample_turns], ignore_index=True)
+    turn_table["policy"] = turn_table["policy"].str.replace(r"best fixed \[\d+\]", "best fixed", regex=True)
+    shares, contrasts = offline_prompt_intervals(
+        turn_table, int(p.bootstrap_resamples), seed=0,
+        contrasts=[(DISTILLED, "best fixed"), (DISTILLED, PLANNER), (DISTILLED, "all-skip (All-Small)")])
+    table = table.merge(shares.drop(columns="turns"), on=["pair", "policy"], how="left")
+    cols = ["pair", "policy", "mean_tau", "pct_of_oracle", "pct_of_oracle_lo", "pct_of_oracle_hi"]
+    table = table[cols + [c for c in table.columns if c not in cols]]
     atomic_write_text(table.to_csv(index=False), out_dir / "offline_eval.csv")
+    atomic_write_text(contrasts.to_csv(index=False), out_dir / "offline_contrasts.csv")
     atomic_write_text(per_fold.to_csv(index=False), out_dir / "offline_eval_per_fold.csv")
+    atomic_write_parquet(turn_table, out_dir / "offline_turns.parquet")
     atomic_write_text(to_markdown(table), out_dir / "offline_eval.md")
     info = {
         "signals": vs.signals, "features": predictor.feature_names, "states": int(len(states)),
         "turns": int(len(turn_reports)), "teacher_call_share": float(np.mean(margins > 0)),
         "sign_agreement": agreement, "ms_per_decision_scheduler": ms_scheduler,
         "ms_per_decision_direct_planner": ms_planner, "folds": len(folds),
+        # differences in points of the oracle's throughput, prompt-resampled 95% CIs
+        "contrasts": contrasts.to_dict(orient="records"),
     }
     atomic_write_json(info, out_dir / "distill.json")
     record_stage(out_dir, config_yaml, inputs)
@@ -193,8 +211,19 @@ def run_distill(cfg: DictConfig) -> dict:
                        "fitted on those turns), tokens/s per turn", console)
     console.print(f"teacher says call on {info['teacher_call_share']:.1%} of {len(states)} states; predictor sign "
                   f"agreement {agreement:.1%}; per decision: scheduler {ms_scheduler:.4f} ms, direct planner {ms_planner:.3f} ms")
+    if not contrasts.empty:
+        print_table(contrasts, "offline differences, points of the oracle (95% CI over prompts)", console)
     log = stage_logger(cfg, "distill")
-    log.log_metrics({k: v for k, v in info.items() if isinstance(v, (int, float))})
+    metrics = {k: v for k, v in info.items() if isinstance(v, (int, float))}
+    for _, r in shares.iterrows():
+        key = f"offline/{r['pair']}/{r['policy']}/pct_of_oracle"
+        metrics.update({key: r["pct_of_oracle"], f"{key}_lo": r["pct_of_oracle_lo"], f"{key}_hi": r["pct_of_oracle_hi"],
+                        f"offline/{r['pair']}/prompts": r["prompts"]})
+    for _, r in contrasts.iterrows():
+        key = f"offline/{r['pair']}/{r['contrast']}"
+        metrics.update({key: r["points_of_oracle"], f"{key}_lo": r["points_lo"], f"{key}_hi": r["points_hi"]})
+    log.log_metrics(metrics)
     log.log_table("offline_eval", table)
+    log.log_table("offline_contrasts", contrasts)
     log.finish()
     return info

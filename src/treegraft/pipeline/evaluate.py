@@ -35,7 +35,8 @@ from ..machine import cpu_info, cpu_line
 from ..models import load_model, load_pair, load_tokenizer
 from ..models.runtime import effective_runtime
 from .artifacts import atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
-from .common import pair_spec, print_table, stage_prompts, stage_records
+from .common import fold_intervals, pair_spec, print_table, stage_prompts, stage_records
+from .estimates import method_intervals
 from .parallel import fork_map, split_jobs, one_thread_with_workers
 from .tracking import stage_logger
 
@@ -284,15 +285,27 @@ def run_evaluate(cfg: DictConfig, progress=None) -> pd.DataFrame:
             bar.close()
         del pair
     # the summary covers every record in the folder, so the jobs of a sweep aggregate into one table
-    summary = summarize_records(read_records(out_dir))
+    records = read_records(out_dir)
+    summary = summarize_records(records)
     atomic_write_parquet(summary, out_dir / "summary.parquet")
+    intervals = method_intervals(records, int(p.bootstrap_resamples))
+    atomic_write_parquet(intervals, out_dir / "intervals.parquet")
     record_stage(out_dir, OmegaConf.to_yaml(cfg, resolve=True), [])
-    show = summary[["pair", "benchmark", "method", "tokens_per_s", "speedup", "mean_al", "call_rate", "mismatches",
-                    "mismatches_unexplained"]]
-    print_table(show, f"evaluate ({p.name})", console)
+    show = summary[["pair", "benchmark", "method", "tokens_per_s", "mismatches", "mismatches_unexplained"]].merge(
+        intervals[["pair", "benchmark", "method", "speedup", "speedup_lo", "speedup_hi", "al", "al_lo", "al_hi",
+                   "call_rate", "n"]], on=["pair", "benchmark", "method"])
+    print_table(fold_intervals(show), f"evaluate ({p.name}): 95% CIs over prompts", console)
+    mean = intervals[intervals["benchmark"] == "mean"]
+    print_table(fold_intervals(mean.drop(columns="benchmark")), f"evaluate ({p.name}): mean over benchmarks", console)
     log = stage_logger(cfg, "evaluate")
-    log.log_metrics({"mismatches": int(summary["mismatches"].sum()),
-                     "mismatches_unexplained": int(summary["mismatches_unexplained"].sum())})
+    metrics = {"mismatches": int(summary["mismatches"].sum()),
+               "mismatches_unexplained": int(summary["mismatches_unexplained"].sum())}
+    for _, r in mean.iterrows():
+        for name in ("speedup", "al"):
+            key = f"{r['pair']}/{r['method']}/{name}"
+            metrics.update({key: r[name], f"{key}_lo": r[f"{name}_lo"], f"{key}_hi": r[f"{name}_hi"], f"{key}_n": r["n"]})
+    log.log_metrics(metrics)
     log.log_table("evaluate_summary", summary)
+    log.log_table("evaluate_intervals", intervals)
     log.finish()
     return summary

@@ -28,7 +28,7 @@ from ..models.loading import load_model, resolve_source, runtime_choice
 from ..models.runtime import curve_at, effective_runtime, forward_curve
 from .artifacts import stage_dir
 from .collect import pair_settings, run_collect
-from .common import pair_spec, print_table
+from .common import fold_intervals, pair_spec, print_table
 from .distill import run_distill
 from .evaluate import eval_pairs, method_prompts, run_evaluate
 from .fit import run_fit
@@ -170,10 +170,11 @@ def run_all(cfgs: dict[str, DictConfig]) -> dict[str, float]:
     written: list[Path] = []
 
     def report() -> None:
-        tables = make_tables(exp_dir, list(e.pipeline.held_out_pairs or []), list(e.pipeline.held_out_benchmarks))
-        for name in ("main", "gain"):
+        tables = make_tables(exp_dir, list(e.pipeline.held_out_pairs or []), list(e.pipeline.held_out_benchmarks),
+                             n_resamples=int(e.pipeline.bootstrap_resamples))
+        for name in ("main", "gain", "offline_contrasts"):
             if name in tables and not tables[name].empty:
-                print_table(tables[name], name, console)
+                print_table(fold_intervals(tables[name]), f"{name} (95% CIs over prompts)", console)
         written.extend(make_figures(exp_dir))
 
     stage("report", report)

@@ -22,7 +22,8 @@ import pandas as pd
 
 from .features import state_names
 
-__all__ = ["TURN_KEYS", "turn_outcomes", "turn_throughputs", "state_rows", "follow_policy", "evaluate_policies"]
+__all__ = ["TURN_KEYS", "turn_outcomes", "turn_throughputs", "state_rows", "follow_policy", "policy_turns",
+           "summarize_policies", "evaluate_policies"]
 
 TURN_KEYS = ["report", "question_id", "turn"]
 
@@ -60,13 +61,16 @@ def follow_policy(states: pd.DataFrame, turns: pd.Index, depth: int, features: S
     return prefixes
 
 
-def evaluate_policies(
+def policy_turns(
     rows: pd.DataFrame,
     depth: int,
     policies: dict[str, tuple[Sequence[str], BatchPolicy]],
     train_rows: pd.DataFrame | None = None,
 ) -> pd.DataFrame:
-    """Per-policy mean throughput, mean gap to the oracle, share of turns at the oracle, call rate.
+    """One row per (turn, policy): TURN_KEYS, ``policy``, the turn's ``tau`` under the schedule the policy
+    produced, ``oracle_tau``, ``tokens``, ``seconds`` and ``calls`` (for the random policy: the mean over
+    every schedule of the turn). Policies: the given ones, all-skip, all-call, the best fixed schedule,
+    random and the oracle.
 
     ``policies``: name -> (signal names of its state vector, batch policy). ``train_rows`` picks the
     best fixed schedule (default: ``rows`` themselves, i.e. an in-sample best fixed schedule).
@@ -75,7 +79,8 @@ def evaluate_policies(
     tau = tokens_table / seconds_table
     states = state_rows(rows)
     turns = tau.index
-    oracle = tau.max(axis=1).to_numpy()
+    values = tau.to_numpy()
+    oracle = np.nanmax(values, axis=1)
     train_tau = turn_throughputs(train_rows if train_rows is not None else rows)
     best_fixed = str(train_tau.mean(axis=0).idxmax())
     chosen: dict[str, list[str]] = {
@@ -85,21 +90,40 @@ def evaluate_policies(
     }
     for name, (signals, policy) in policies.items():
         chosen[name] = follow_policy(states, turns, depth, state_names(depth, signals), policy)
-    out = []
-    values = tau.to_numpy()
+    best = np.nanargmax(values, axis=1)
+    chosen["oracle"] = [str(tau.columns[i]) for i in best]
     tokens, seconds = tokens_table.to_numpy(np.float64), seconds_table.to_numpy(np.float64)
     col = {s: i for i, s in enumerate(tau.columns)}
+    keys = turns.to_frame(index=False)
+    frames = []
     for name, scheds in chosen.items():
         pick = (np.arange(len(turns)), [col[s] for s in scheds])
-        out.append(_row(name, values[pick], oracle, np.mean([s.count("1") / depth for s in scheds]),
-                        tokens[pick].sum(), seconds[pick].sum()))
-    rand = np.nanmean(values, axis=1)
-    out.append(_row("random (p=0.5)", rand, oracle, 0.5, np.nansum(tokens) / values.shape[1],
-                    np.nansum(seconds) / values.shape[1]))
-    best = np.nanargmax(values, axis=1)
-    out.append(_row("oracle", oracle, oracle, float(np.mean([tau.columns[i].count("1") / depth for i in best])),
-                    tokens[np.arange(len(turns)), best].sum(), seconds[np.arange(len(turns)), best].sum()))
+        frames.append(keys.assign(policy=name, tau=values[pick], oracle_tau=oracle, tokens=tokens[pick],
+                                  seconds=seconds[pick], calls=[s.count("1") / depth for s in scheds]))
+    frames.insert(-1, keys.assign(policy="random (p=0.5)", tau=np.nanmean(values, axis=1), oracle_tau=oracle,
+                                  tokens=np.nanmean(tokens, axis=1), seconds=np.nanmean(seconds, axis=1), calls=0.5))
+    return pd.concat(frames, ignore_index=True)
+
+
+def summarize_policies(per_turn: pd.DataFrame) -> pd.DataFrame:
+    """Per policy (in order of appearance): mean throughput, mean gap to the oracle, share of turns at the
+    oracle, call rate, all tokens / all seconds, from :func:`policy_turns`' rows."""
+    out = []
+    for name, g in per_turn.groupby("policy", sort=False):
+        got, oracle = g["tau"].to_numpy(), g["oracle_tau"].to_numpy()
+        out.append(_row(name, got, oracle, float(g["calls"].mean()), g["tokens"].sum(), g["seconds"].sum()))
     return pd.DataFrame(out)
+
+
+def evaluate_policies(
+    rows: pd.DataFrame,
+    depth: int,
+    policies: dict[str, tuple[Sequence[str], BatchPolicy]],
+    train_rows: pd.DataFrame | None = None,
+) -> pd.DataFrame:
+    """Per-policy mean throughput, mean gap to the oracle, share of turns at the oracle, call rate
+    (:func:`policy_turns`, summarised)."""
+    return summarize_policies(policy_turns(rows, depth, policies, train_rows))
 
 
 def _row(name: str, got: np.ndarray, oracle: np.ndarray, call_rate: float, tokens: float, seconds: float) -> dict:
