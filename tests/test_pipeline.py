@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -374,16 +375,18 @@ def test_evaluate_reuses_records_only_under_the_same_run_key(smoke):
         p: m for p, m in before.items() if p != stale}
     base = out / "pipeline" / "smoke"
     cfg = compose("evaluate", args)
-    keys = {m: run_key(cfg, "tiny-random", m, 2, base) for m in ("ar", "treegraft")}
+    keys = {m: run_key(cfg, "tiny-random", m, base) for m in ("ar", "treegraft")}
     longer = compose("evaluate", args + ["evaluation.max_new_tokens=99"])
-    assert run_key(longer, "tiny-random", "ar", 2, base) != keys["ar"]  # a changed setting redoes every method
-    assert run_key(cfg, "tiny-random", "ar", 3, base) != keys["ar"]  # so do other prompts
+    assert run_key(longer, "tiny-random", "ar", base) != keys["ar"]  # a changed setting redoes every method
+    more = compose("evaluate", args + ["evaluation.prompts_per_benchmark=5"])
+    assert run_key(more, "tiny-random", "ar", base) == keys["ar"]  # more prompts keep the records of the first ones
     scheduler = base / "distill" / "scheduler.pt"
     saved = scheduler.read_bytes()
     try:
         scheduler.write_bytes(saved + b"refitted")
-        assert run_key(cfg, "tiny-random", "treegraft", 2, base) != keys["treegraft"]  # a new scheduler redoes treegraft
-        assert run_key(cfg, "tiny-random", "ar", 2, base) == keys["ar"]  # but not the methods without one
+        assert run_key(cfg, "tiny-random", "treegraft", base) != keys["treegraft"]  # a new scheduler redoes treegraft
+        assert run_key(cfg, "tiny-random", "ar", base) == keys["ar"]  # but not the methods without one
+        assert run_key(cfg, "tiny-random", "treegraft@t_mid_x1.25", base) != run_key(cfg, "tiny-random", "treegraft", base)
     finally:
         scheduler.write_bytes(saved)
 
@@ -639,3 +642,33 @@ def test_make_all_sizes_its_prompts_to_the_time_budget(tmp_path):
     assert (c, e) == (collect, 2) and minutes > budget  # nothing fits: the floor, and the prediction says so
     with pytest.raises(ValueError, match="min_prompts_per_benchmark"):
         size_to_budget(cfgs(), budget, 0.1, low=99)
+
+
+def test_evaluation_sized_by_precision_adds_prompts_and_keeps_earlier_records(smoke, tmp_path):
+    """Rounds of prompts until the CI is narrow enough (here: never, so up to the cap): the first round's
+    records are reused, not redone; precision.json says what was reached; sensitivity variants carry
+    their rescaled runtime context."""
+    _, out, *_ = smoke
+    work = tmp_path / "out"
+    shutil.copytree(out / "pipeline" / "smoke" / "distill", work / "pipeline" / "smoke" / "distill")
+    shutil.copytree(out / "pipeline" / "smoke" / "fit", work / "pipeline" / "smoke" / "fit")
+    args = ["experiment=smoke", f"paths.output_dir={work}", "evaluation.methods=[ar,all_small,treegraft]",
+            "evaluation.benchmarks=[gsm8k]", "evaluation.max_new_tokens=6", "evaluation.sensitivity=[t_mid_x1.25]",
+            "evaluation.sensitivity_prompts=1"]
+    eval_dir = work / "pipeline" / "smoke" / "evaluate"
+    run_evaluate(compose("evaluate", args))
+    first = {p.name: json.loads(p.read_text().splitlines()[0]) for p in (eval_dir / "tiny-random" / "gsm8k").glob("*.jsonl")}
+    assert set(first) == {"ar.jsonl", "all_small.jsonl", "treegraft.jsonl", "treegraft@t_mid_x1.25.jsonl"}
+    base, variant = first["treegraft.jsonl"], first["treegraft@t_mid_x1.25.jsonl"]
+    assert variant["t_mid_ms"] == pytest.approx(1.25 * base["t_mid_ms"]) and variant["t_tgt_ms"] == pytest.approx(base["t_tgt_ms"])
+    run_evaluate(compose("evaluate", args + ["evaluation.target_half_width=0.0", "evaluation.max_prompts_per_benchmark=3",
+                                             "evaluation.round_prompts=1"]))
+    precision = json.loads((eval_dir / "precision.json").read_text())
+    assert [r["prompts_per_benchmark"] for r in precision["rounds"]] == [1, 2, 3] and not precision["met"]
+    assert precision["method"] == "treegraft" and precision["rounds"][-1]["n"] == 3
+    records = read_records(eval_dir)
+    assert records.groupby("method").size().to_dict() == {"ar": 3, "all_small": 3, "treegraft": 3, "treegraft@t_mid_x1.25": 1}
+    again = {p.name: json.loads(p.read_text().splitlines()[0]) for p in (eval_dir / "tiny-random" / "gsm8k").glob("*.jsonl")}
+    assert all(again[k]["tstamp"] == first[k]["tstamp"] for k in first)  # the first prompt's records were kept
+    with pytest.raises(ValueError, match="bad method variant"):
+        run_evaluate(compose("evaluate", args + ["evaluation.sensitivity=[t_mid_times2]"]))

@@ -11,7 +11,8 @@ from .hf_peers import HFAssistedDecoder, HFPromptLookupDecoder
 from .sampling import SamplingConfig
 from .tree_decoder import METHOD_PRESETS, TreeConfig, TreeGraftDecoder
 
-__all__ = ["METHODS", "LEARNED_METHODS", "LEARNED_ARTIFACTS", "build_decoder", "tree_config_from", "load_learned_scheduler"]
+__all__ = ["METHODS", "LEARNED_METHODS", "LEARNED_ARTIFACTS", "build_decoder", "tree_config_from", "load_learned_scheduler",
+           "parse_method"]
 
 # learned policies on the shared tree: the distilled scheduler and the value system itself
 # the files each learned method's policy is loaded from, relative to an experiment's artifacts folder
@@ -21,6 +22,21 @@ LEARNED_ARTIFACTS = {
 }
 LEARNED_METHODS = tuple(LEARNED_ARTIFACTS)
 METHODS = ("ar", *METHOD_PRESETS, *LEARNED_METHODS, "hf_assisted", "hf_prompt_lookup")
+
+
+def parse_method(method: str) -> tuple[str, dict[str, float]]:
+    """``"treegraft@t_mid_x1.25"`` -> ``("treegraft", {"t_mid": 1.25})``: a learned method run with its
+    calibrated runtime context rescaled (the sensitivity variants; ``+`` joins several), or a plain
+    method name with no scales."""
+    base, _, rest = method.partition("@")
+    scales = {}
+    for part in filter(None, rest.split("+")):
+        name, sep, value = part.rpartition("_x")
+        if not sep or name not in ("t_tgt", "t_mid") or base not in LEARNED_METHODS:
+            raise ValueError(f"bad method variant {method!r}; expected <learned method>@t_tgt_x<scale> or "
+                             f"@t_mid_x<scale> (joined by +), e.g. treegraft@t_mid_x1.25")
+        scales[name] = float(value)
+    return base, scales
 
 
 def tree_config_from(method: str, tree: dict | None) -> TreeConfig:

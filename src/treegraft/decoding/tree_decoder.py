@@ -17,6 +17,7 @@ has the target's distribution.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,6 +235,7 @@ class TreeGraftDecoder:
         # measured by a warm-up; 0 = unknown
         self.t_tgt_ms = 0.0
         self.t_mid_ms = 0.0
+        self.context_samples: dict[str, list[float]] = {}  # warm_up's per-turn timings behind t_tgt_ms / t_mid_ms
         self.prompt_len = 0
 
     # ------------------------------------------------------------------ setup
@@ -275,9 +277,11 @@ class TreeGraftDecoder:
             return self.cfg.width, self.cfg.top_m, None
         return auto_shape(self.budget(), self.cfg.width, self.cfg.top_m)
 
-    def warm_up(self, prompt_ids: Sequence[int], max_new_tokens: int = 8) -> tuple[float, float]:
-        """Measure the scheduler's runtime context on a warm-up generation that calls the middle
-        drafter at every step (not scored): sets and returns (t_tgt_ms, t_mid_ms).
+    def warm_up(self, prompt_ids: Sequence[int], max_new_tokens: int = 8, repeats: int = 1) -> tuple[float, float]:
+        """Measure the scheduler's runtime context on ``repeats`` warm-up generations that call the middle
+        drafter at every step (not scored): sets and returns (t_tgt_ms, t_mid_ms), the *medians* over
+        every warm-up turn of the verification forward and of one middle call (a slow spell of a
+        shared machine moves a mean, not a median); the per-turn samples stay in ``context_samples``.
 
         The middle drafter encodes the prompt at prefill here, as in `collect` (``eager_middle_prefill``),
         so ``t_mid`` is what a call costs, not a call plus the prompt's catch-up: with the lazy catch-up
@@ -287,14 +291,17 @@ class TreeGraftDecoder:
         saved, eager = self.scheduler, self._eager_middle_prefill
         self.scheduler = FixedScheduler([MIDDLE] * self.cfg.depth) if self.middle is not None else saved
         self._eager_middle_prefill = True
+        turns = []
         try:
-            result = self.generate(prompt_ids, max_new_tokens)
+            for _ in range(max(1, int(repeats))):
+                turns += self.generate(prompt_ids, max_new_tokens).turns
         finally:
             self.scheduler, self._eager_middle_prefill = saved, eager
-        turns = result.turns
-        self.t_tgt_ms = 1000 * sum(t["target_forward_s"] for t in turns) / max(len(turns), 1)
-        calls = sum(t["middle_calls"] for t in turns)
-        self.t_mid_ms = 1000 * sum(t["middle_forward_s"] for t in turns) / calls if calls else 0.0
+        tgt = [1000 * t["target_forward_s"] for t in turns]
+        mid = [1000 * t["middle_forward_s"] / t["middle_calls"] for t in turns if t["middle_calls"]]
+        self.context_samples = {"t_tgt_ms": tgt, "t_mid_ms": mid}
+        self.t_tgt_ms = float(statistics.median(tgt)) if tgt else 0.0
+        self.t_mid_ms = float(statistics.median(mid)) if mid else 0.0
         return self.t_tgt_ms, self.t_mid_ms
 
     def _prefill(self, prompt_ids: list[int]) -> None:

@@ -79,7 +79,7 @@ def record_stage(directory: Path, config_yaml: str, inputs: Iterable[Path] = ())
 # collect's sizing (what collect produced reaches fit and distill through the hashes of the row files)
 _NOT_CONFIG = ("logger", "force", "paths")
 _COLLECT_SIZING = ("prompts_per_benchmark", "pair_overrides", "enumerate_every", "max_enumerated_turns",
-                   "warmup_tokens", "max_new_tokens", "max_prompt_tokens")
+                   "warmup_tokens", "warmup_repeats", "max_new_tokens", "max_prompt_tokens")
 
 
 def _comparable_config(config_yaml: str) -> dict:

@@ -252,14 +252,16 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(pp.prompts_per_benchmark), int(p.prompt_offset))
                for b in p.fit_benchmarks}
     warm_ids = next(iter(prompts.values()))[0][1]
-    t_tgt, t_mid = decoder.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context, not used as data
+    # runtime context, not used as data: medians over repeated all-call warm-ups
+    t_tgt, t_mid = decoder.warm_up(warm_ids, int(p.warmup_tokens), repeats=int(p.get("warmup_repeats", 1)))
     from ..decoding.budget import cached_verify_curve
 
     curve = cached_verify_curve(pair.target, cfg.paths.cache_dir)  # the report's figure, and budget=auto's
     atomic_write_json({"pair": pair_name, "runtime": pair.runtime, "middle_runtime": pair.middle_runtime,
                        **cpu_info(), "budget": budget,
                        "budget_setting": str(cfg.tree.budget), "tree_shape": cfg.tree.shape,
-                       "t_tgt_ms": t_tgt, "t_mid_ms": t_mid, "verify_curve": curve},
+                       "t_tgt_ms": t_tgt, "t_mid_ms": t_mid, "context_samples": decoder.context_samples,
+                       "warmup_repeats": int(p.get("warmup_repeats", 1)), "verify_curve": curve},
                       collect_dir / pair_name / "runtime.json")
     console.print(f"[bold]{pair_name}[/]: runtime {pair.runtime} (middle drafter {pair.middle_runtime}), planned B_ver={budget} ({cfg.tree.budget}), "
                   f"t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")

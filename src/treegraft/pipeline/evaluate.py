@@ -17,30 +17,32 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
 from pathlib import Path
 
 import pandas as pd
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
 from tqdm.auto import tqdm
 
 from ..data import spec_bench_category
 from ..decoding.equality import compare_outputs
-from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, build_decoder, load_learned_scheduler
+from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, build_decoder, load_learned_scheduler, parse_method
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..machine import cpu_info, cpu_line
 from ..models import load_model, load_pair, load_tokenizer
 from ..models.runtime import effective_runtime
-from .artifacts import atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
+from ..stats import Interval
+from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
 from .common import fold_intervals, pair_spec, print_table, stage_prompts, stage_records
-from .estimates import method_intervals
+from .estimates import PromptTable, method_intervals
 from .parallel import fork_map, split_jobs, one_thread_with_workers
 from .tracking import stage_logger
 
-__all__ = ["run_evaluate", "make_record", "summarize_records", "read_records", "eval_pairs", "run_key", "method_prompts",
+__all__ = ["run_evaluate", "size_by_precision", "main_interval", "evaluated_methods", "make_record", "summarize_records", "read_records", "eval_pairs", "run_key", "method_prompts",
            "evaluation_units"]
 
 
@@ -149,34 +151,46 @@ def summarize_records(records: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+# evaluation settings that choose which prompts and methods run, not what one prompt's record holds
+NOT_IN_RUN_KEY = ("methods", "benchmarks", "prompts_per_benchmark", "ablations", "ablation_prompts", "prompt_offset",
+                  "target_half_width", "max_prompts_per_benchmark", "round_prompts", "sensitivity", "sensitivity_prompts")
+
+
 def _write_records(records: list[dict], path: Path) -> None:
     atomic_write_text("".join(json.dumps(r) + "\n" for r in records), path)
 
 
-def run_key(cfg: DictConfig, pair: str, method: str, offset: int, artifacts: Path) -> str:
+def run_key(cfg: DictConfig, pair: str, method: str, artifacts: Path) -> str:
     """What a method's records depend on: the tree and evaluation settings, dtype, device, the
     prompts' offset and, for the learned methods, the scheduler artifacts. Saved records are reused
     only under the same key (a changed config or a refitted scheduler redoes them)."""
     e = OmegaConf.to_container(cfg.evaluation, resolve=True)
-    for k in ("methods", "benchmarks"):
+    for k in NOT_IN_RUN_KEY:  # which prompts and methods run, not what a record of one prompt holds
         e.pop(k, None)
-    parts = {"pair": pair, "method": method, "offset": offset, "evaluation": e,
+    parts = {"pair": pair, "method": method, "evaluation": e,
              "tree": OmegaConf.to_container(cfg.tree, resolve=True), "dtype": cfg.pipeline.dtype,
              "runtime": cfg.runtime, "middle_runtime": cfg.middle_runtime, "cpu": cpu_line(),
-             "device": cfg.pipeline.device, "warmup_tokens": cfg.pipeline.warmup_tokens}
-    if method in LEARNED_ARTIFACTS:
-        parts["artifacts"] = {name: file_hash(artifacts / name) for name in LEARNED_ARTIFACTS[method]}
+             "device": cfg.pipeline.device, "warmup_tokens": cfg.pipeline.warmup_tokens,
+             "warmup_repeats": cfg.pipeline.warmup_repeats}
+    base, _ = parse_method(method)
+    if base in LEARNED_ARTIFACTS:
+        parts["artifacts"] = {name: file_hash(artifacts / name) for name in LEARNED_ARTIFACTS[base]}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def _saved_records(path: Path, key: str, prompts: list[tuple[int, list[int]]]) -> list[dict] | None:
-    """The records of an earlier run with the same key and the same prompts (question ids and token
-    ids, so a changed prompt format redoes them), else None (missing or stale)."""
+def _saved_records(path: Path, key: str, prompts: list[tuple[int, list[int]]]) -> dict[int, dict]:
+    """question id -> the record an earlier run saved for that prompt under the same key and the same
+    prompt (token ids, so a changed prompt format redoes it); prompts without one are missing."""
     if not path.exists():
-        return None
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    same_prompts = [(r.get("question_id"), r.get("prompt_ids")) for r in records] == [(q, list(ids)) for q, ids in prompts]
-    return records if same_prompts and all(r.get("run_key") == key for r in records) else None
+        return {}
+    wanted = {q: list(ids) for q, ids in prompts}
+    out = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        q = r.get("question_id")
+        if q in wanted and r.get("prompt_ids") == wanted[q] and r.get("run_key") == key:
+            out[q] = r
+    return out
 
 
 def method_prompts(cfg: DictConfig, method: str, prompts: list) -> list:
@@ -185,6 +199,8 @@ def method_prompts(cfg: DictConfig, method: str, prompts: list) -> list:
     e = cfg.evaluation
     if e.get("ablation_prompts") is not None and method in (e.get("ablations") or []):
         return prompts[: int(e.ablation_prompts)]
+    if "@" in method and e.get("sensitivity_prompts") is not None:
+        return prompts[: int(e.sensitivity_prompts)]
     return prompts
 
 
@@ -196,7 +212,9 @@ def evaluation_units(cfg: DictConfig, prompts: dict[str, list], methods: list[st
 def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], prompts, categories, saved, paths, keys,
                          methods, schedulers, sampling, progress) -> None:
     """One worker's share: build and warm up every decoder it needs, then for each benchmark run the
-    missing methods interleaved prompt by prompt, compare with ``ar`` and write the records."""
+    missing (prompt, method) generations, methods interleaved prompt by prompt, compare each with
+    ``ar``'s output and rewrite that method's records after every prompt (an interruption loses at most
+    one prompt's generations)."""
     p, e = cfg.pipeline, cfg.evaluation
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     context = {"runtime": pair.runtime, "middle_runtime": pair.middle_runtime, "tree_shape": cfg.tree.shape, "budget_setting": str(cfg.tree.budget),
@@ -204,59 +222,149 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
                "bf16_onednn_above": getattr(pair.target, "treegraft_bf16_max_rows", None),
                **cpu_info()}
     target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
-    todo = [m for m in methods if any(saved[b, m] is None for b in benchmarks)]
+    wanted = {(b, m): method_prompts(cfg, m, prompts[b]) for b in benchmarks for m in methods}
+    missing = {k: [q for q, _ in v if q not in saved[k]] for k, v in wanted.items()}
+    todo = [m for m in methods if any(missing[b, m] for b in benchmarks)]
     warm_ids = prompts[benchmarks[0]][0][1]
-    decoders = {}
-    for method in todo:  # every warm-up before any timing
-        dec = build_decoder(method, pair, tree, sampling, schedulers.get(method), cfg.paths.cache_dir)
+    decoders, contexts = {}, {}
+    for method in sorted(todo, key=lambda m: "@" in m):  # every warm-up before any timing; variants after their base
+        base, scales = parse_method(method)
+        dec = build_decoder(base, pair, tree, sampling, schedulers.get(base), cfg.paths.cache_dir)
         if isinstance(dec, TreeGraftDecoder) and dec.middle is not None:
-            dec.warm_up(warm_ids, int(p.warmup_tokens))  # runtime context + warm-up, not scored
+            if scales and base in decoders:  # a sensitivity variant: its base's calibrated context, rescaled
+                dec.generate(warm_ids, int(p.warmup_tokens))
+                dec.t_tgt_ms, dec.t_mid_ms = decoders[base].t_tgt_ms, decoders[base].t_mid_ms
+            else:  # runtime context: medians over repeated all-call warm-ups, not scored
+                dec.warm_up(warm_ids, int(p.warmup_tokens), repeats=int(p.warmup_repeats))
+            dec.t_tgt_ms *= scales.get("t_tgt", 1.0)
+            dec.t_mid_ms *= scales.get("t_mid", 1.0)
+            contexts[method] = {"t_tgt_ms": dec.t_tgt_ms, "t_mid_ms": dec.t_mid_ms}
         else:
             dec.generate(warm_ids, int(p.warmup_tokens))  # warm-up, not scored
         decoders[method] = dec
     for bench in benchmarks:
-        fresh = [m for m in methods if saved[bench, m] is None]
-        records = {m: saved[bench, m] for m in methods if m not in fresh}
-        records.update({m: [] for m in fresh})
-        for i, (qid, ids) in enumerate(prompts[bench]):  # methods interleaved prompt by prompt: drift hits all alike
+        records = {m: dict(saved[bench, m]) for m in methods}
+        for qid, ids in prompts[bench]:  # methods interleaved prompt by prompt: drift hits all alike
+            fresh = [m for m in methods if qid in missing[bench, m]]
             for method in fresh:
-                if i >= len(method_prompts(cfg, method, prompts[bench])):
-                    continue
                 result = decoders[method].generate(ids, int(e.max_new_tokens))
                 text = pair.tokenizer.decode(result.tokens, skip_special_tokens=True)
-                records[method].append(make_record(pair_name, bench, method, qid, result, text, context,
-                                                   categories[bench].get(qid, "")))
-                records[method][-1].update(prompt_ids=ids, run_key=keys[method])
-                progress(1)
-        reference = {r["question_id"]: r["tokens"] for r in records["ar"]}
-        for method in fresh:
-            if method != "ar" and sampling.greedy:
-                for r in records[method]:
-                    ref = reference[r["question_id"]]
-                    if r["tokens"] != ref and target_fp32 is None:
+                record = make_record(pair_name, bench, method, qid, result, text, {**context, **contexts.get(method, {})},
+                                     categories[bench].get(qid, ""))
+                record.update(prompt_ids=ids, run_key=keys[method])
+                if method != "ar" and sampling.greedy:
+                    ref = records["ar"][qid]["tokens"]
+                    if record["tokens"] != ref and target_fp32 is None:
                         target_fp32 = load_model(pair.spec.target, "float32", p.device, cfg.paths.models_dir)
-                    rep = compare_outputs(ref, r["tokens"], r["prompt_ids"], target_fp32, float(e.tie_tolerance))
-                    r["matches_ar"], r["mismatch_explained"] = rep.equal, rep.explained_by_tie
-            _write_records(records[method], paths[bench, method])
+                    rep = compare_outputs(ref, record["tokens"], ids, target_fp32, float(e.tie_tolerance))
+                    record["matches_ar"], record["mismatch_explained"] = rep.equal, rep.explained_by_tie
+                records[method][qid] = record
+                progress(1)
+            for method in fresh:
+                _write_records([records[method][q] for q, _ in wanted[bench, method] if q in records[method]],
+                               paths[bench, method])
+
+
+def evaluated_methods(cfg: DictConfig) -> list[str]:
+    """``ar`` first (the reference of speedup and equality), the configured methods, then treegraft's
+    runtime-context sensitivity variants (``treegraft@t_mid_x1.25``, ...) when ``evaluation.sensitivity``
+    lists any and treegraft is evaluated."""
+    e = cfg.evaluation
+    methods = ["ar"] + [m for m in e.methods if m != "ar"]
+    if "treegraft" in methods:
+        methods += [f"treegraft@{v}" for v in (e.get("sensitivity") or [])]
+    for m in methods:
+        parse_method(m)  # a bad variant is one line now, not an hour in
+    return methods
+
+
+def main_interval(cfg: DictConfig, out_dir: Path) -> tuple[str, str, Interval]:
+    """(pair, method, CI) of the headline figure the evaluation is sized by: the first evaluated pair's
+    mean speedup over the benchmarks of ``treegraft`` (else the first method after ``ar``)."""
+    pair = eval_pairs(cfg)[0]
+    records = read_records(out_dir)
+    records = records[records["pair"] == pair]
+    methods = [m for m in evaluated_methods(cfg) if m != "ar"]
+    method = "treegraft" if "treegraft" in methods else methods[0]
+    return pair, method, PromptTable(records, int(cfg.pipeline.bootstrap_resamples)).speedup(method, [pair])
+
+
+# a percentile bootstrap over 1-2 prompts a benchmark has 1-3 distinct values per stratum: its CI is too
+# narrow to stop on
+MIN_PROMPTS_FOR_CI = 3
+
+
+def size_by_precision(cfg: DictConfig, progress, console) -> dict:
+    """Evaluate in rounds: ``evaluation.prompts_per_benchmark`` prompts per benchmark first, then
+    ``round_prompts`` more a round (records of earlier rounds are kept), until the headline CI's
+    half-width (:func:`main_interval`) is at most ``target_half_width`` (with at least
+    ``MIN_PROMPTS_FOR_CI`` prompts per benchmark), or ``max_prompts_per_benchmark``
+    is reached, or the next round would end past ``time_budget_min`` (predicted from the last round's
+    seconds per prompt). Returns what it reached, also written to ``evaluate/precision.json``."""
+    e = cfg.evaluation
+    out_dir = stage_dir(cfg.paths.output_dir, cfg.pipeline.name, "evaluate")
+    target = float(e.target_half_width)
+    n = int(e.prompts_per_benchmark)
+    top = max(n, int(e.get("max_prompts_per_benchmark") or n))
+    step = max(1, int(e.get("round_prompts") or 2))
+    budget_s = 60 * float(e.time_budget_min) if e.get("time_budget_min") else math.inf
+    start, done, rounds = time.perf_counter(), 0, []
+    while True:
+        t0 = time.perf_counter()
+        with open_dict(cfg):
+            cfg.evaluation.prompts_per_benchmark = n
+        _evaluate_prompts(cfg, progress)
+        pair, method, ci = main_interval(cfg, out_dir)
+        rounds.append({"prompts_per_benchmark": n, "n": ci.n, "value": ci.value, "low": ci.low, "high": ci.high,
+                       "half_width": ci.half_width, "seconds": time.perf_counter() - t0})
+        console.print(f"precision: {n} prompts per benchmark -> {pair} {method} mean speedup {ci} (n = {ci.n}), "
+                      f"half-width {ci.half_width:.3f} (target {target:g})")
+        per_prompt = rounds[-1]["seconds"] / max(n - done, 1)
+        done, nxt = n, min(top, n + step)
+        if (ci.half_width <= target and n >= MIN_PROMPTS_FOR_CI) or n >= top:
+            break
+        if time.perf_counter() - start + per_prompt * (nxt - n) > budget_s:
+            console.print(f"precision: stopping at {n} prompts per benchmark: another round would end past the "
+                          f"{e.time_budget_min:g}-min budget")
+            break
+        n = nxt
+    info = {"pair": pair, "method": method, "target_half_width": target, "reached_half_width": ci.half_width,
+            "prompts_per_benchmark": n, "met": bool(ci.half_width <= target), "rounds": rounds}
+    atomic_write_json(info, out_dir / "precision.json")
+    return info
 
 
 @one_thread_with_workers
 def run_evaluate(cfg: DictConfig, progress=None) -> pd.DataFrame:
-    """``progress(n)``: advance an outer progress bar by n (prompt, method) generations (else one bar here)."""
+    """Every method on every pair x benchmark, then the summary with CIs; sized by precision when
+    ``evaluation.target_half_width`` is set (:func:`size_by_precision`). ``progress(n)``: advance an outer
+    progress bar by n (prompt, method) generations (else one bar here)."""
+    console = Console(width=200, stderr=True)
+    p = cfg.pipeline
+    out_dir = stage_dir(cfg.paths.output_dir, p.name, "evaluate")
+    if cfg.evaluation.get("target_half_width") is not None:
+        size_by_precision(cfg, progress, console)
+    else:
+        _evaluate_prompts(cfg, progress)
+    return _summarize(cfg, out_dir, console)
+
+
+def _evaluate_prompts(cfg: DictConfig, progress=None) -> None:
+    """Run whatever (prompt, method) generations the config asks for and no saved record holds."""
     console = Console(width=200, stderr=True)
     p, e = cfg.pipeline, cfg.evaluation
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "evaluate")
     artifacts = stage_dir(cfg.paths.output_dir, p.name, "distill").parent
     sampling = SamplingConfig(temperature=float(e.temperature), top_p=float(e.top_p), seed=int(e.seed))
-    methods = list(e.methods)
-    methods = ["ar"] + [m for m in methods if m != "ar"]  # ar: the reference of speedup and equality
+    methods = evaluated_methods(cfg)
     benchmarks = [cfg.data.name] if cfg.get("data") else list(e.benchmarks)
     offset = int(e.prompt_offset) if e.prompt_offset is not None else int(p.prompt_offset) + int(p.prompts_per_benchmark)
-    schedulers = {m: load_learned_scheduler(m, artifacts) for m in methods if m in LEARNED_METHODS}
+    bases = dict.fromkeys(parse_method(m)[0] for m in methods)
+    schedulers = {m: load_learned_scheduler(m, artifacts) for m in bases if m in LEARNED_METHODS}
     for pair_name in eval_pairs(cfg):
         jobs = [(b, m) for b in benchmarks for m in methods]
         paths = {(b, m): out_dir / pair_name / b / f"{m}.jsonl" for b, m in jobs}
-        keys = {m: run_key(cfg, pair_name, m, offset, artifacts) for m in methods}
+        keys = {m: run_key(cfg, pair_name, m, artifacts) for m in methods}
         spec = pair_spec(pair_name)
         tokenizer = load_tokenizer(spec.target, cfg.paths.models_dir)  # prompts without loading the models
         prompts = {b: stage_prompts(cfg, tokenizer, b, int(e.prompts_per_benchmark), offset) for b in benchmarks}
@@ -264,14 +372,15 @@ def run_evaluate(cfg: DictConfig, progress=None) -> pd.DataFrame:
                       for b in benchmarks}
         # done before an interruption
         saved = {(b, m): _saved_records(paths[b, m], keys[m], method_prompts(cfg, m, prompts[b])) for b, m in jobs}
-        todo_benches = [b for b in benchmarks if any(saved[b, m] is None for m in methods)]
+        todo_benches = [b for b in benchmarks if any(q not in saved[b, m] for m in methods
+                                                     for q, _ in method_prompts(cfg, m, prompts[b]))]
         if not todo_benches:
             console.print(f"{pair_name}: every record is saved and up to date")
             continue
         pair = load_pair(spec, device=p.device, models_dir=cfg.paths.models_dir,
                          runtime=effective_runtime(cfg.runtime, p.dtype), cache_dir=cfg.paths.cache_dir,
                          log=console.print, middle_runtime=cfg.middle_runtime)
-        units = {b: sum(len(method_prompts(cfg, m, prompts[b])) for m in methods if saved[b, m] is None)
+        units = {b: sum(q not in saved[b, m] for m in methods for q, _ in method_prompts(cfg, m, prompts[b]))
                  for b in todo_benches}
         cost = {b: units[b] * (1 + sum(len(ids) for _, ids in prompts[b]) / 1000) for b in todo_benches}
         groups = split_jobs(todo_benches, [cost[b] for b in todo_benches], int(p.workers))
@@ -284,6 +393,10 @@ def run_evaluate(cfg: DictConfig, progress=None) -> pd.DataFrame:
         if bar is not None:
             bar.close()
         del pair
+
+
+def _summarize(cfg: DictConfig, out_dir: Path, console) -> pd.DataFrame:
+    p = cfg.pipeline
     # the summary covers every record in the folder, so the jobs of a sweep aggregate into one table
     records = read_records(out_dir)
     summary = summarize_records(records)
