@@ -618,30 +618,16 @@ def test_offline_table_reports_the_total_rate_beside_the_mean_of_turn_ratios():
     assert table.loc["random (p=0.5)", "total_tau"] == pytest.approx((first["accepted"] + 1).sum() / first["latency_s"].sum())
 
 
-def test_make_all_sizes_its_prompts_to_the_time_budget(tmp_path):
-    """`make all` on a slower CPU evaluates fewer prompts per benchmark, never below the floor, and keeps
-    collect's count; the prediction grows with the measured target step."""
-    from treegraft.pipeline.run_all import predicted_minutes, size_to_budget
+def test_make_all_gives_evaluate_what_the_earlier_stages_left_of_the_budget(tmp_path):
+    """`make all` (experiment=cpu) evaluates by precision within the minutes collect, fit and distill left;
+    never less than one."""
+    from treegraft.pipeline.run_all import REPORT_MINUTES, SETUP_MINUTES, evaluate_budget_min
 
-    def cfgs():
-        over = ["experiment=cpu", f"paths.output_dir={tmp_path}"]
-        return {s: compose(s, over) for s in ("collect", "fit", "distill", "evaluate")}
-
-    full = cfgs()
-    collect, configured = full["collect"].pipeline.prompts_per_benchmark, full["evaluate"].evaluation.prompts_per_benchmark
-    assert predicted_minutes(full, 0.2) > predicted_minutes(full, 0.1)
-    budget = predicted_minutes(full, 0.1) + 0.5  # the configured size just fits a 100 ms step
-    fast, slow, slowest = cfgs(), cfgs(), cfgs()
-    assert size_to_budget(fast, budget, 0.1, low=2)[:2] == (collect, configured)
-    c, e, minutes = size_to_budget(slow, budget, 0.12, low=2)
-    assert c == collect and 2 <= e < configured and minutes <= budget
-    for name, cfg in slow.items():
-        assert cfg.pipeline.prompts_per_benchmark == collect, name
-    assert slow["evaluate"].evaluation.prompts_per_benchmark == e
-    c, e, minutes = size_to_budget(slowest, budget, 5.0, low=2)
-    assert (c, e) == (collect, 2) and minutes > budget  # nothing fits: the floor, and the prediction says so
-    with pytest.raises(ValueError, match="min_prompts_per_benchmark"):
-        size_to_budget(cfgs(), budget, 0.1, low=99)
+    cfg = compose("evaluate", ["experiment=cpu", f"paths.output_dir={tmp_path}"])
+    assert cfg.evaluation.target_half_width > 0 and cfg.pipeline.time_budget_min
+    assert evaluate_budget_min(58, 20) == pytest.approx(58 - SETUP_MINUTES - 20 - REPORT_MINUTES)
+    assert evaluate_budget_min(58, 20) > evaluate_budget_min(58, 30)
+    assert evaluate_budget_min(58, 90) == 1.0
 
 
 def test_evaluation_sized_by_precision_adds_prompts_and_keeps_earlier_records(smoke, tmp_path):

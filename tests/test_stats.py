@@ -131,6 +131,8 @@ def test_offline_shares_resample_prompts_not_turns():
 
     one, _ = offline_prompt_intervals(frame(1), 1000)
     many, contrasts = offline_prompt_intervals(frame(50), 1000, contrasts=[("a", "b")])
+    assert set(many["pair"]) == {"p", "all pairs"}
+    one, many, contrasts = (f[f["pair"] == "p"] for f in (one, many, contrasts))
     a1, a50 = one.set_index("policy").loc["a"], many.set_index("policy").loc["a"]
     assert a1["pct_of_oracle"] == pytest.approx(80.0) and a50["pct_of_oracle"] == pytest.approx(80.0)
     assert (a50["pct_of_oracle_lo"], a50["pct_of_oracle_hi"]) == pytest.approx((a1["pct_of_oracle_lo"], a1["pct_of_oracle_hi"]))

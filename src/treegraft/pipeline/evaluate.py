@@ -153,7 +153,7 @@ def summarize_records(records: pd.DataFrame) -> pd.DataFrame:
 
 # evaluation settings that choose which prompts and methods run, not what one prompt's record holds
 NOT_IN_RUN_KEY = ("methods", "benchmarks", "prompts_per_benchmark", "ablations", "ablation_prompts", "prompt_offset",
-                  "target_half_width", "max_prompts_per_benchmark", "round_prompts", "sensitivity", "sensitivity_prompts")
+                  "target_half_width", "max_prompts_per_benchmark", "round_prompts", "sensitivity", "sensitivity_prompts", "scheduler_from")
 
 
 def _write_records(records: list[dict], path: Path) -> None:
@@ -354,7 +354,8 @@ def _evaluate_prompts(cfg: DictConfig, progress=None) -> None:
     console = Console(width=200, stderr=True)
     p, e = cfg.pipeline, cfg.evaluation
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "evaluate")
-    artifacts = stage_dir(cfg.paths.output_dir, p.name, "distill").parent
+    # the learned methods' fit/distill artifacts: this experiment's, or evaluation.scheduler_from's
+    artifacts = stage_dir(cfg.paths.output_dir, e.get("scheduler_from") or p.name, "distill").parent
     sampling = SamplingConfig(temperature=float(e.temperature), top_p=float(e.top_p), seed=int(e.seed))
     methods = evaluated_methods(cfg)
     benchmarks = [cfg.data.name] if cfg.get("data") else list(e.benchmarks)

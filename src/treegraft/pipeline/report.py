@@ -30,6 +30,7 @@ __all__ = [
     "ablation_table",
     "scheduling_table",
     "held_out_table",
+    "sensitivity_table",
     "write_table",
     "make_tables",
     "make_figures",
@@ -79,7 +80,7 @@ def main_table(summary: pd.DataFrame, pairs: Sequence[str] | None = None, benchm
     pairs = list(dict.fromkeys(s["pair"]))
     benches = list(dict.fromkeys(s["benchmark"]))
     rows = []
-    for method in _order(list(dict.fromkeys(s["method"]))):
+    for method in _order([m for m in dict.fromkeys(s["method"]) if "@" not in m]):  # variants: the sensitivity table
         m = s[s["method"] == method]
         row = {"method": method}
         for b in benches:
@@ -172,6 +173,27 @@ def held_out_table(summary: pd.DataFrame, held_out_pairs: Sequence[str], held_ou
     return pd.DataFrame(rows)
 
 
+def sensitivity_table(summary: pd.DataFrame, *, prompts: PromptTable) -> pd.DataFrame:
+    """Per pair: treegraft with its calibrated runtime context and with it rescaled (the
+    ``treegraft@t_mid_x1.25`` variants), each variant's speedup and call rate and its change against
+    treegraft on the same prompts, with CIs."""
+    rows = []
+    for pair in dict.fromkeys(summary["pair"]):
+        methods = list(dict.fromkeys(summary.loc[summary["pair"] == pair, "method"]))
+        variants = [m for m in methods if m.startswith("treegraft@")]
+        if "treegraft" not in methods or not variants:
+            continue
+        for method in ["treegraft", *variants]:
+            row = {"pair": pair, "method": method, "context": method.partition("@")[2] or "as calibrated"}
+            _put(row, "speedup", prompts.speedup(method, [pair]))
+            _put(row, "call_rate", prompts.call_rate(method, [pair]))
+            if method != "treegraft":
+                _put(row, "change vs treegraft %", prompts.gain(method, ["treegraft"], [pair]))
+            row["n prompts"] = prompts.speedup(method, [pair]).n
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def write_table(df: pd.DataFrame, out_dir: Path, name: str) -> None:
     """``<name>.csv`` (numbers: every CI as ``lo`` / ``hi`` columns) and ``<name>.md`` / ``<name>.tex``
     (every CI folded into its cell: ``1.23 [1.10, 1.35]``)."""
@@ -203,6 +225,9 @@ def make_tables(exp_dir: Path, held_out_pairs: Sequence[str] = (), held_out_benc
         "scheduling": scheduling_table(summary, prompts=prompts),
         "held_out": held_out_table(summary, held_out_pairs, held_out_benchmarks, prompts=prompts),
     }
+    sensitivity = sensitivity_table(summary, prompts=prompts)
+    if not sensitivity.empty:
+        tables["sensitivity"] = sensitivity
     offline = exp_dir / "distill" / "offline_eval.csv"
     if offline.exists():
         tables["offline_scheduler"] = pd.read_csv(offline)
