@@ -148,3 +148,18 @@ def test_display_tables_fold_each_ci_into_its_cell():
     assert list(shown.columns) == ["method", "speedup", "n"]
     assert shown.loc[0, "speedup"] == "1.23 [1.10, 1.30]"
     assert Interval(float("nan"), 0, 0, 0).format() == "--"
+
+
+def test_two_runs_on_the_same_prompts_compare_paired():
+    """Run B is run A with one method 10% slower on every prompt: B's speedup is A's / 1.1 in every
+    replicate, so B - A = -A / 11 exactly, CI included (the runs are resampled together)."""
+    ar = [2.0, 4.0, 10.0, 10.0]
+    a = _records({"ar": ar, "m": [1, 1, 5, 5]}, ["x", "x", "y", "y"], pair="A")
+    b = _records({"ar": ar, "m": [1.1, 1.1, 5.5, 5.5]}, ["x", "x", "y", "y"], pair="B")
+    t = PromptTable(pd.concat([a, b], ignore_index=True), 500)
+    d = t.run_difference("m", "A", "B")
+    expected = t.speedup("m", ["B"]).value - t.speedup("m", ["A"]).value
+    assert d.value == pytest.approx(expected) and expected < 0
+    first = t.speedup("m", ["A"])
+    assert first.high > first.low  # the prompts differ ...
+    assert d.low == pytest.approx(-first.high / 11) and d.high == pytest.approx(-first.low / 11) and d.n == 4

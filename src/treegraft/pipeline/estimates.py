@@ -115,6 +115,20 @@ class PromptTable:
 
         return self._interval(stat_of_mask, pairs, ["ar", method, *rivals], benchmarks)
 
+    def run_difference(self, method: str, pair_a: str, pair_b: str,
+                       benchmarks: Sequence[str] | None = None) -> Interval:
+        """Mean speedup of ``method`` under ``pair_b`` minus under ``pair_a`` on the prompts both ran, one
+        resampling for both (two runs of the same pair, relabelled, on the same prompts)."""
+        def stat_of_mask(mask):
+            a, b = self._speedup_stat(method, [pair_a], mask), self._speedup_stat(method, [pair_b], mask)
+            return lambda w: b(w) - a(w)
+
+        mask = self._mask([pair_a], ["ar", method], benchmarks) & self._mask([pair_b], ["ar", method], benchmarks)
+        if not mask.any():
+            return Interval(float("nan"), float("nan"), float("nan"), 0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return interval(stat_of_mask(mask), self._weights_for(mask), int(mask.sum()))
+
     def best(self, rivals: Sequence[str], pairs: Sequence[str]) -> str | None:
         """The rival with the highest mean speedup (point estimate), or None."""
         values = {r: self.speedup(r, pairs).value for r in rivals}

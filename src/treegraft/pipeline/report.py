@@ -288,7 +288,7 @@ def make_figures(exp_dir: Path, out_dir: Path | None = None) -> list[Path]:
     written: list[Path] = []
 
     pairs = list(dict.fromkeys(intervals["pair"]))
-    fig, axes = plt.subplots(len(pairs), 1, figsize=(11, 3.6 * len(pairs)), squeeze=False)
+    fig, axes = plt.subplots(len(pairs), 1, figsize=(11, 3.6 * len(pairs)), squeeze=False, constrained_layout=True)
     for ax, pair in zip(axes[:, 0], pairs):
         ci = intervals[intervals["pair"] == pair]
         piv = ci.pivot_table(index="benchmark", columns="method", values="speedup", sort=False)
@@ -300,6 +300,7 @@ def make_figures(exp_dir: Path, out_dir: Path | None = None) -> list[Path]:
         piv.plot.bar(ax=ax, width=0.85, colormap="tab20", yerr=errors, capsize=1.5, error_kw={"lw": 0.6})
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         ax.set_ylabel("speedup vs ar")
+        ax.tick_params(axis="x", labelrotation=0)
         n = int(ci.loc[(ci["method"] == "ar") & (ci["benchmark"] == "mean"), "n"].max())
         ax.set_title(f"{pair}: speedup per method and benchmark, 95% CI over prompts (n = {n} prompts)")
         ax.legend(ncol=4, fontsize=7)
