@@ -454,16 +454,3 @@ def test_a_packed_runtime_leaves_no_tensor_in_the_checkpoint_file(tmp_path):
     model = load_model(str(tmp_path), runtime="float32_packed")
     assert _file_backed(model) == []
     torch.testing.assert_close(_logits(model, ids), _logits(build_tiny_model(0), ids), rtol=1e-4, atol=1e-4)
-
-
-def test_runtime_auto_measures_in_a_child_process_and_caches_there(tmp_path):
-    """An uncached runtime=auto choice is measured in a spawned child (its candidates' memory leaves with
-    it), logged here once, and written to the cache the next call reads without a child."""
-    from treegraft.models.loading import runtime_choice
-
-    lines = []
-    first = runtime_choice("tiny-random:0", "cpu", cache_dir=tmp_path, log=lines.append)
-    assert not first.cached and first.runtime in first.curves and len(lines) == 1 and first.runtime in lines[0]
-    assert (tmp_path / "runtime.json").exists()  # written by the child
-    second = runtime_choice("tiny-random:0", "cpu", cache_dir=tmp_path, log=lines.append)
-    assert second.cached and second.runtime == first.runtime and second.curves == first.curves and len(lines) == 1

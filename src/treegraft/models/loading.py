@@ -25,7 +25,7 @@ from torch import nn
 
 from ..paths import default_cache_dir, default_models_dir
 from .embedded import EMBEDDED_MODELS, int4_blocks, is_converted
-from .runtime import RUNTIMES, RuntimeChoice, apply_runtime, cached_choice, choose_runtime, runtime_load_dtype, runtime_unavailable
+from .runtime import RUNTIMES, RuntimeChoice, apply_runtime, choose_runtime, runtime_load_dtype, runtime_unavailable
 from .tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer
 
 __all__ = [
@@ -190,37 +190,15 @@ def runtime_choice(
     models_dir: str | os.PathLike | None = None,
     cache_dir: str | os.PathLike | None = None,
     log=print,
-    isolate: bool = True,
 ) -> RuntimeChoice:
     """``runtime=auto``'s choice for ``source`` on this machine, with the verification curve of every
     runtime it measured (:func:`~treegraft.models.runtime.choose_runtime`, cached in
-    ``<cache_dir>/runtime.json``).
-
-    ``isolate`` (CPU): a choice not yet cached is measured in a fresh child process (spawned, with this
-    process's thread count), so the candidates' copies (a 1.5B model in float32 and float32_packed)
-    leave with it instead of staying in this process's heap under the model loaded next: a stage that
-    measured in-process peaked at 20.7 GB resident."""
+    ``<cache_dir>/runtime.json``)."""
     exact = source.startswith(EMBEDDED_PREFIX)  # only GGUF-born models have int4 blocks of their own
     cache_file = Path(cache_dir or default_cache_dir()) / "runtime.json"
     model_id = source if not source.startswith(EMBEDDED_PREFIX) else f"{source} ({resolve_source(source, models_dir)})"
-    if isolate and torch.device(device).type == "cpu" and cached_choice(model_id, device, cache_file) is None:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            choice = pool.submit(_runtime_choice_child, source, str(device), models_dir, str(cache_file.parent),
-                                 torch.get_num_threads()).result()
-        if log:
-            log(choice.summary())
-        return choice
     return choose_runtime(lambda rt: load_model(source, device=device, models_dir=models_dir, runtime=rt),
                           model_id, device, cache_file=cache_file, log=log, int4_exact=exact)
-
-
-def _runtime_choice_child(source: str, device: str, models_dir, cache_dir: str, threads: int) -> RuntimeChoice:
-    """:func:`runtime_choice` measured in this (child) process with ``threads`` threads; it writes the cache."""
-    torch.set_num_threads(threads)
-    return runtime_choice(source, device, models_dir, cache_dir, log=None, isolate=False)
 
 
 def make_self_draft(target: nn.Module, num_layers: int) -> nn.Module:

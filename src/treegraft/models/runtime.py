@@ -665,17 +665,6 @@ def runtime_cache_key(model_id: str, device: str | torch.device = "cpu") -> str:
 DEFAULT_CANDIDATES = ("float32", "float32_packed", "bfloat16_packed", "int4")
 
 
-def cached_choice(model_id: str, device: str | torch.device, cache_file: str | Path | None) -> RuntimeChoice | None:
-    """:func:`choose_runtime`'s cached choice for this machine and model, or None."""
-    key = runtime_cache_key(model_id, torch.device(device))
-    cache = read_json(cache_file, {}) if cache_file else {}
-    if key in cache and cache[key].get("runtime") in RUNTIMES:
-        entry = cache[key]
-        return RuntimeChoice(entry["runtime"], {r: {int(n): s for n, s in c.items()} for r, c in entry["curves"].items()},
-                             entry.get("skipped", {}), cached=True, cpu=entry.get("cpu", cpu_info()))
-    return None
-
-
 def choose_runtime(
     load: Callable[[str], nn.Module],
     model_id: str,
@@ -702,10 +691,12 @@ def choose_runtime(
         if log:
             log(choice.summary())
         return choice
-    hit = cached_choice(model_id, device, cache_file)
-    if hit is not None:
-        return hit
     key = runtime_cache_key(model_id, device)
+    cache = read_json(cache_file, {}) if cache_file else {}
+    if key in cache and cache[key].get("runtime") in RUNTIMES:
+        entry = cache[key]
+        return RuntimeChoice(entry["runtime"], {r: {int(n): s for n, s in c.items()} for r, c in entry["curves"].items()},
+                             entry.get("skipped", {}), cached=True, cpu=entry.get("cpu", cpu_info()))
     curves: dict[str, dict[int, float]] = {}
     skipped: dict[str, str] = {}
     for runtime in candidates:
