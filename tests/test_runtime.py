@@ -229,6 +229,30 @@ def test_choose_runtime_measures_once_then_reads_the_cache(tmp_path):
     assert not other.cached and other.runtime == "float32"
 
 
+def test_choose_runtime_skips_float32_only_where_bfloat16_packed_runs(tmp_path):
+    loads = []
+
+    def load(runtime):
+        loads.append(runtime)
+        return apply_runtime(build_tiny_model(0), runtime)
+
+    candidates = ("float32", "float32_packed", "bfloat16_packed")
+    choice = choose_runtime(load, "tiny", candidates=candidates, cache_file=None, sizes=(1, 8), context=16, log=None)
+    if runtime_unavailable("bfloat16_packed") is None:  # native bf16: the float32 runtimes are not loaded at all
+        assert loads == ["bfloat16_packed"] and choice.runtime == "bfloat16_packed"
+        assert "bf16 is native" in choice.skipped["float32"] and "bf16 is native" in choice.skipped["float32_packed"]
+    else:  # emulated bf16: float32 is all there is
+        assert loads == ["float32", "float32_packed"] and "bfloat16_packed" in choice.skipped
+    loads.clear()
+    measured = choose_runtime(load, "tiny", candidates=candidates, cache_file=None, sizes=(1, 8), context=16, log=None,
+                              float32_where_bf16=True)
+    assert loads[:2] == ["float32", "float32_packed"] and "float32" in measured.curves
+    # without bfloat16_packed among the candidates, float32 is never skipped
+    loads.clear()
+    choose_runtime(load, "tiny", candidates=("float32",), cache_file=None, sizes=(1,), context=16, log=None)
+    assert loads == ["float32"]
+
+
 def test_effective_runtime_keeps_dtype_working():
     assert effective_runtime("auto", None) == "auto"
     assert effective_runtime("auto", "bfloat16") == "bfloat16"

@@ -35,6 +35,7 @@ from ..paths import default_cache_dir
 from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
 from ..tree import MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_order, prune_to_budget
 from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, make_generator, prepare_prompt
+from .backoff import CallGate
 from .budget import BudgetPlanner, cached_verify_curve
 from .sampling import SamplingConfig
 from .verify import accept_greedy, accept_sampling
@@ -100,6 +101,9 @@ class TreeConfig:
     schedule: the fixed schedule (1 = call the middle drafter, 0 = skip) of ``fixed`` and the ablations.
     grafting / expanded_selection: override the method's preset (``nondestructive|destructive``, bool).
     max_calls_per_turn: optional per-turn budget of middle-drafter calls (later steps are forced to skip).
+    call_backoff: with a learned scheduler, stop calling the middle drafter for a few turns when this
+        prompt's call turns produce fewer tokens per second than plain decoding would
+        (:class:`~treegraft.decoding.backoff.CallGate`); fixed schedules never back off.
     skip_beyond_budget: leave out the work of a step that cannot change the pruned tree (every node it
         could add or rescore lies deeper than B_ver, so pruning would drop it); the verified tree is the
         same, only the wasted drafter calls go. Matters where B_ver is small (``auto`` on a CPU).
@@ -118,6 +122,7 @@ class TreeConfig:
     ngram: NGramConfig = field(default_factory=NGramConfig)
     auto_max_budget: int = 63
     skip_beyond_budget: bool = True
+    call_backoff: bool = True
     shape: str = "paper"
     draft_vocab: int | None = None
 
@@ -231,6 +236,8 @@ class TreeGraftDecoder:
         self._prefill_head: SubsetHead | None = None  # ngram.prefill_vocab's restricted head of the target
         self.turn_signals = {"recent_al": 0.0, "recent_target_conf": 0.0}  # the scheduler's view of past turns
         self.scheduler: Scheduler = scheduler or FixedScheduler(self.cfg.actions())
+        # a learned policy's calls back off on a prompt where they do not pay (a fixed schedule is the schedule)
+        self.gate: CallGate | None = CallGate() if scheduler is not None and self.cfg.call_backoff else None
         # runtime context of the scheduler state (ms per target verification / middle forward),
         # measured by a warm-up; 0 = unknown
         self.t_tgt_ms = 0.0
@@ -288,15 +295,15 @@ class TreeGraftDecoder:
         the first call of a short warm-up carries the whole prompt, which doubled ``t_mid`` on a
         200-token prompt and made a learned scheduler price every call as twice as dear as the turns it
         was fitted on."""
-        saved, eager = self.scheduler, self._eager_middle_prefill
+        saved, eager, gate = self.scheduler, self._eager_middle_prefill, self.gate
         self.scheduler = FixedScheduler([MIDDLE] * self.cfg.depth) if self.middle is not None else saved
-        self._eager_middle_prefill = True
+        self._eager_middle_prefill, self.gate = True, None
         turns = []
         try:
             for _ in range(max(1, int(repeats))):
                 turns += self.generate(prompt_ids, max_new_tokens).turns
         finally:
-            self.scheduler, self._eager_middle_prefill = saved, eager
+            self.scheduler, self._eager_middle_prefill, self.gate = saved, eager, gate
         tgt = [1000 * t["target_forward_s"] for t in turns]
         mid = [1000 * t["middle_forward_s"] / t["middle_calls"] for t in turns if t["middle_calls"]]
         self.context_samples = {"t_tgt_ms": tgt, "t_mid_ms": mid}
@@ -560,6 +567,9 @@ class TreeGraftDecoder:
                 break
             if actions is not None:
                 action = int(actions[step - 1])
+            elif self.gate is not None and not self.gate.is_open:
+                action = SMALL
+                stats["backed_off"] = True
             else:
                 t0 = time.perf_counter()
                 state = self.step_state(tree, step, build.done, self.scheduler.needs_signals)
@@ -720,6 +730,8 @@ class TreeGraftDecoder:
         stats["outside_forward_s"] = stats["turn_s"] - stats["target_forward_s"] - stats["middle_forward_s"]
         if self.planner is not None:
             self.planner.observe(budget, stats["target_forward_s"], stats["turn_s"] - stats["target_forward_s"])
+        if self.gate is not None and actions is None:
+            self.gate.observe(len(emitted), stats["turn_s"], stats["middle_calls"], self._planner().verify_s(0))
         return emitted, stats
 
     # ------------------------------------------------------------------ public
@@ -733,6 +745,9 @@ class TreeGraftDecoder:
         (streaming)."""
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.target)
         self.budget()
+        if self.gate is not None:
+            self._planner()  # the gate prices a plain step from the verification curve
+            self.gate.reset()
         generator = make_generator(self.sampling, self.device)
         self.prompt_len = len(prompt_ids)
 

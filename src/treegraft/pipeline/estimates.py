@@ -136,10 +136,12 @@ class PromptTable:
         return max(values, key=values.get) if values else None
 
 
-def method_intervals(records: pd.DataFrame, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0) -> pd.DataFrame:
+def method_intervals(records: pd.DataFrame, n_resamples: int = DEFAULT_RESAMPLES, seed: int = 0,
+                     table: PromptTable | None = None) -> pd.DataFrame:
     """One row per (pair, benchmark, method), benchmark ``mean`` included: speedup, AL and call rate, each
-    with ``_lo`` / ``_hi`` (95% CI) and ``n`` prompts."""
-    table = PromptTable(records, n_resamples, seed)
+    with ``_lo`` / ``_hi`` (95% CI) and ``n`` prompts. ``table``: the records' :class:`PromptTable`, when
+    the caller has one (its replicates are reused)."""
+    table = table or PromptTable(records, n_resamples, seed)
     rows = []
     for pair in dict.fromkeys(records["pair"]):
         methods = list(dict.fromkeys(records.loc[records["pair"] == pair, "method"]))

@@ -89,6 +89,7 @@ def make_record(pair: str, benchmark: str, method: str, question_id: int, result
         "accepted": [t["accepted"] for t in turns],
         "middle_calls": sum(t.get("middle_calls", 0) for t in turns),
         "steps": sum(len(t.get("schedule", ())) for t in turns),
+        "backed_off_turns": sum(bool(t.get("backed_off")) for t in turns),  # learned methods: calls held back
         "time_split": split,
         "mean_budget": sum(budgets) / len(budgets) if budgets else None,  # B_ver verified per turn
         "prefill_s": result.prefill_time_s,

@@ -63,9 +63,10 @@ def _order(methods: Sequence[str]) -> list[str]:
     return [m for m in METHOD_ORDER if m in methods] + [m for m in methods if m not in METHOD_ORDER]
 
 
-def _put(row: dict, name: str, ci: Interval) -> None:
-    """``name``, ``name lo``, ``name hi`` (the 95% CI) into ``row``."""
+def _put(row: dict, name: str, ci: Interval) -> Interval:
+    """``name``, ``name lo``, ``name hi`` (the 95% CI) into ``row``; returns ``ci`` (for its n)."""
     row.update({name: ci.value, f"{name} lo": ci.low, f"{name} hi": ci.high})
+    return ci
 
 
 def main_table(summary: pd.DataFrame, pairs: Sequence[str] | None = None, benchmarks: Sequence[str] | None = None,
@@ -86,9 +87,9 @@ def main_table(summary: pd.DataFrame, pairs: Sequence[str] | None = None, benchm
         for b in benches:
             _put(row, f"{b} speedup", prompts.speedup(method, pairs, [b]))
             _put(row, f"{b} AL", prompts.al(method, pairs, [b]))
-        _put(row, "mean speedup", prompts.speedup(method, pairs, benches))
+        mean = _put(row, "mean speedup", prompts.speedup(method, pairs, benches))
         _put(row, "mean AL", prompts.al(method, pairs, benches))
-        row["n prompts"] = prompts.speedup(method, pairs, benches).n
+        row["n prompts"] = mean.n
         row["mismatches"] = int(m["mismatches"].sum())
         row["mismatches_unexplained"] = int(m["mismatches_unexplained"].sum())
         rows.append(row)
@@ -105,7 +106,7 @@ def gain_table(summary: pd.DataFrame, benchmarks: Sequence[str] | None = None,
         if "treegraft" not in methods:
             continue
         row = {"pair": pair}
-        _put(row, "treegraft", prompts.speedup("treegraft", [pair], benchmarks))
+        own = _put(row, "treegraft", prompts.speedup("treegraft", [pair], benchmarks))
         for label, rivals in (("better endpoint", ENDPOINTS), ("best HF peer", HF_PEERS)):
             present = [r for r in rivals if r in methods]
             best = prompts.best(present, [pair]) if present else None
@@ -113,7 +114,7 @@ def gain_table(summary: pd.DataFrame, benchmarks: Sequence[str] | None = None,
             _put(row, f"{label} speedup", prompts.speedup(best, [pair], benchmarks) if best else NAN_INTERVAL)
             _put(row, f"gain vs {label} %", prompts.gain("treegraft", present, [pair], benchmarks) if present
                  else NAN_INTERVAL)
-        row["n prompts"] = prompts.speedup("treegraft", [pair], benchmarks).n
+        row["n prompts"] = own.n
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -130,10 +131,10 @@ def ablation_table(summary: pd.DataFrame, pairs: Sequence[str] | None = None,
         return pd.DataFrame()
     for method in present:
         row = {"method": method}
-        _put(row, "speedup", prompts.speedup(method, pairs))
+        speedup = _put(row, "speedup", prompts.speedup(method, pairs))
         _put(row, "mean_al", prompts.al(method, pairs))
         _put(row, "call_rate", prompts.call_rate(method, pairs))
-        row["n prompts"] = prompts.speedup(method, pairs).n
+        row["n prompts"] = speedup.n
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -143,14 +144,14 @@ def scheduling_table(summary: pd.DataFrame, *, prompts: PromptTable) -> pd.DataF
     rows = []
     for pair, g in summary.groupby("pair", sort=False):
         methods = set(g["method"])
-        row = {"pair": pair}
+        row, speedups = {"pair": pair}, {}
         for m in ("treegraft", "all_small", "all_mid", "fixed"):
             if m in methods:
-                _put(row, f"{m} speedup", prompts.speedup(m, [pair]))
+                speedups[m] = _put(row, f"{m} speedup", prompts.speedup(m, [pair]))
         if "treegraft" in methods:
             _put(row, "treegraft call rate", prompts.call_rate("treegraft", [pair]))
             _put(row, "treegraft AL", prompts.al("treegraft", [pair]))
-            row["n prompts"] = prompts.speedup("treegraft", [pair]).n
+            row["n prompts"] = speedups["treegraft"].n
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -167,10 +168,10 @@ def held_out_table(summary: pd.DataFrame, held_out_pairs: Sequence[str], held_ou
         part = summary[(summary["pair"] == pair) & (summary["benchmark"].isin(benches) if benches else True)]
         for method in _order(list(dict.fromkeys(part["method"]))):
             row = {"split": label, "pair": pair, "benchmark": benches[0] if benches else "all", "method": method}
-            _put(row, "speedup", prompts.speedup(method, [pair], benches))
+            speedup = _put(row, "speedup", prompts.speedup(method, [pair], benches))
             _put(row, "mean_al", prompts.al(method, [pair], benches))
             _put(row, "call_rate", prompts.call_rate(method, [pair], benches))
-            row["n prompts"] = prompts.speedup(method, [pair], benches).n
+            row["n prompts"] = speedup.n
             row["mismatches"] = int(part.loc[part["method"] == method, "mismatches"].sum())
             rows.append(row)
     return pd.DataFrame(rows)
@@ -188,11 +189,11 @@ def sensitivity_table(summary: pd.DataFrame, *, prompts: PromptTable) -> pd.Data
             continue
         for method in ["treegraft", *variants]:
             row = {"pair": pair, "method": method, "context": method.partition("@")[2] or "as calibrated"}
-            _put(row, "speedup", prompts.speedup(method, [pair]))
+            speedup = _put(row, "speedup", prompts.speedup(method, [pair]))
             _put(row, "call_rate", prompts.call_rate(method, [pair]))
             if method != "treegraft":
                 _put(row, "change vs treegraft %", prompts.gain(method, ["treegraft"], [pair]))
-            row["n prompts"] = prompts.speedup(method, [pair]).n
+            row["n prompts"] = speedup.n
             rows.append(row)
     return pd.DataFrame(rows)
 
@@ -220,7 +221,7 @@ def make_tables(exp_dir: Path, held_out_pairs: Sequence[str] = (), held_out_benc
     fit_benchmarks = [b for b in dict.fromkeys(summary["benchmark"]) if b not in set(held_out_benchmarks)]
     tables = {
         "summary": summary,
-        "intervals": method_intervals(records, n_resamples),
+        "intervals": method_intervals(records, table=prompts),
         "main": main_table(summary, fit_pairs, prompts=prompts),
         "gain": gain_table(summary, prompts=prompts),
         "gain_fit_benchmarks": gain_table(summary, fit_benchmarks, prompts=prompts),
