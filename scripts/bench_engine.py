@@ -107,7 +107,7 @@ class SignalTimer(FixedScheduler):
 
 def signals_cost_ms(pair, tree: dict, prompts, max_new_tokens: int, cache_dir) -> float:
     """Mean ms per step to compute the scheduler state with all tree signals, on real trees."""
-    cfg = tree_config_from("fixed", tree)
+    cfg = tree_config_from("fixed", {**tree, "call_backoff": False})  # every step's state is computed
     dec = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, cfg, scheduler=SignalTimer(cfg.actions()),
                            cache_dir=cache_dir)
     turns = [t for _, _, ids in prompts for t in dec.generate(ids, max_new_tokens).turns]

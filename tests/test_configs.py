@@ -61,6 +61,11 @@ def test_group_option_composes_and_instantiates(group, option):
         assert tree.depth >= 1 and tree.ngram.max_n >= 1
 
 
+def test_an_unknown_tree_setting_is_an_error_naming_it():
+    with pytest.raises(ValueError, match=r"unknown tree setting 'bugdet'; expected one of .*budget"):
+        tree_config_from("fixed", {"bugdet": 8})
+
+
 def test_default_generate_config(cfg_generate):
     assert cfg_generate.method.name == "ar"
     assert cfg_generate.pair.name == "tiny-random"

@@ -40,10 +40,13 @@ def parse_method(method: str) -> tuple[str, dict[str, float]]:
 
 
 def tree_config_from(method: str, tree: dict | None) -> TreeConfig:
-    """A :class:`TreeConfig` for ``method`` from a plain dict of tree settings (e.g. the Hydra `tree` group)."""
-    known = {f.name for f in fields(TreeConfig)}
-    settings = {k: v for k, v in (tree or {}).items() if k in known}
-    return TreeConfig(method=method, **settings)
+    """A :class:`TreeConfig` for ``method`` from a plain dict of tree settings (e.g. the Hydra `tree` group);
+    a key that is not a setting (a typo such as ``bugdet``) is an error naming it and the known ones."""
+    known = {f.name for f in fields(TreeConfig)} - {"method"}
+    unknown = sorted(set(tree or {}) - known)
+    if unknown:
+        raise ValueError(f"unknown tree setting {', '.join(map(repr, unknown))}; expected one of {', '.join(sorted(known))}")
+    return TreeConfig(method=method, **(tree or {}))
 
 
 def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: float | None = None):
