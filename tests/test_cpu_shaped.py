@@ -186,7 +186,15 @@ def test_budget_planner_follows_curve_and_acceptance():
     planner = BudgetPlanner(steep, 63)
     planner.observe(1, verify_s=4.0, other_s=0.5)  # verification twice as slow as the curve says
     assert planner.verify_scale > 1.0 and planner.draft_s == 0.5
-    assert planner.planning_budget() >= 4
+    assert planner.planned == pytest.approx(0.9 * 8.0 + 0.1 * 1)  # a running mean of the chosen B
+    assert planner.planning_budget() == 11  # ceil(1.5 x 7.3)
+    for _ in range(100):
+        planner.observe(0, verify_s=1.0, other_s=0.5)
+    assert planner.planning_budget() == 4  # the floor: a construction always plans some tree
+    capped = BudgetPlanner(steep, 20)
+    for _ in range(100):
+        capped.observe(63, verify_s=64.0, other_s=0.5)
+    assert capped.planning_budget() == 20  # never past the largest budget considered
 
 
 def test_budget_auto_plans_every_turn(tiny_pair, tmp_path):

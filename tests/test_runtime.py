@@ -410,9 +410,42 @@ def test_bf16_max_rows_sets_the_crossover_of_every_linear():
     for model, above in ((fixed, 8), (invariant, None)):
         assert model.treegraft_bf16_max_rows == above
         assert {m.onednn_above for m in model.modules() if isinstance(m, PackedLinear)} == {above}
-    measured = apply_runtime(build_tiny_model(0), "bfloat16_packed")  # auto: whatever this CPU measures
-    crossover = measured.treegraft_bf16_max_rows
-    assert crossover is None or crossover in (0, 1, 2, 4, 8, 16, 32)
+
+
+def test_bf16_max_rows_auto_measures_the_largest_body_linear(monkeypatch):
+    _avx512()
+    import treegraft.models.runtime as runtime
+
+    measured = []
+
+    def fake_crossover(weight):
+        measured.append(tuple(weight.shape))
+        return 16
+
+    monkeypatch.setattr(runtime, "bf16_crossover", fake_crossover)
+    model = build_tiny_model(0)
+    head = model.get_output_embeddings()
+    body = [m.weight for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
+    largest = tuple(max(body, key=lambda w: w.numel()).shape)
+    model = apply_runtime(model, "bfloat16_packed")
+    assert measured == [largest] and model.treegraft_bf16_max_rows == 16
+    assert {m.onednn_above for m in model.modules() if isinstance(m, PackedLinear)} == {16}
+
+
+def test_rows_until_slower_finds_the_crossover():
+    import time
+
+    from treegraft.models.runtime import _rows_until_slower
+
+    def narrow(x):  # 2 ms a row
+        time.sleep(0.002 * x.shape[0])
+
+    def wide(x):  # 11 ms whatever the rows
+        time.sleep(0.011)
+
+    assert _rows_until_slower(narrow, wide, 4, (1, 2, 4, 8, 16)) == 4  # 8 ms < 11 ms < 16 ms
+    assert _rows_until_slower(narrow, wide, 4, (1, 2)) is None  # never slower over these rows
+    assert _rows_until_slower(wide, narrow, 4, (1, 2)) == 0  # slower from the first row count
 
 
 def test_middle_runtime_rule():
