@@ -39,6 +39,26 @@ def test_greedy_custom_generate_equals_generate_on_the_tiny_pair(tiny, method):
         assert torch.equal(out, ref), (method, text)
 
 
+def _early_eos(model, ids) -> int:
+    """A token greedy decoding emits at its 5th step: as EOS it stops generation early."""
+    return int(model.generate(ids, do_sample=False, max_new_tokens=8)[0, ids.shape[1] + 4])
+
+
+@pytest.mark.parametrize("method", ["fixed", "all_small", "csd", "ar"])
+def test_min_new_tokens_holds_eos_back_as_generate_does(tiny, method):
+    target, middle, tok = tiny
+    ids = torch.tensor([tok("abab abab abab").input_ids])
+    eos = _early_eos(target, ids)
+    early = target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=eos, pad_token_id=eos)
+    assert early.shape[1] <= ids.shape[1] + 5  # without a minimum, this EOS stops it within 5 tokens
+    for kwargs in ({"min_new_tokens": 24}, {"min_length": ids.shape[1] + 24}):
+        ref = target.generate(ids, do_sample=False, max_new_tokens=30, eos_token_id=eos, pad_token_id=eos, **kwargs)
+        assert ref.shape[1] >= ids.shape[1] + 24
+        out = custom(target, ids, assistant_model=middle, method=method, do_sample=False, max_new_tokens=30,
+                     eos_token_id=eos, tree={"budget": "auto", "shape": "auto"}, **kwargs)
+        assert torch.equal(out, ref), (method, kwargs)
+
+
 def test_return_dict_and_max_length(tiny):
     target, middle, tok = tiny
     ids = torch.tensor([tok("abcabc").input_ids])
@@ -59,6 +79,20 @@ def test_greedy_custom_generate_equals_generate_on_smollm2_self(smollm2_self_pai
     for kwargs in ({"assistant_model": pair.middle, "method": "fixed"}, {"self_draft_layers": 28, "method": "all_mid"},
                    {"method": "all_small"}):
         assert torch.equal(custom(pair.target, ids, do_sample=False, max_new_tokens=24, **kwargs), ref), kwargs
+
+
+@pytest.mark.embedded
+def test_min_new_tokens_on_smollm2_self(smollm2_self_pair):
+    pair = smollm2_self_pair
+    tok = pair.tokenizer
+    ids = torch.tensor([tok("def add(a, b):\n    return a + b\n").input_ids])
+    eos = _early_eos(pair.target, ids)
+    ref = pair.target.generate(ids, do_sample=False, max_new_tokens=32, min_new_tokens=24, eos_token_id=eos,
+                               pad_token_id=eos)
+    assert ref.shape[1] >= ids.shape[1] + 24
+    for kwargs in ({"assistant_model": pair.middle, "method": "fixed"}, {"self_draft_layers": 28, "method": "all_mid"}):
+        out = custom(pair.target, ids, do_sample=False, max_new_tokens=32, min_new_tokens=24, eos_token_id=eos, **kwargs)
+        assert torch.equal(out, ref), kwargs
 
 
 @pytest.mark.embedded

@@ -11,7 +11,7 @@ from torch import nn
 
 from .sampling import SamplingConfig, sample_from_logits
 
-__all__ = ["GenerationResult", "AutoregressiveDecoder", "eos_token_ids", "validate_prompt", "PromptError"]
+__all__ = ["GenerationResult", "AutoregressiveDecoder", "eos_token_ids", "validate_prompt", "PromptError", "hold_eos"]
 
 
 class PromptError(ValueError):
@@ -56,6 +56,17 @@ def eos_token_ids(model: nn.Module, tokenizer=None) -> set[int]:
             continue
         ids.update([int(source)] if isinstance(source, int) else [int(x) for x in source])
     return ids
+
+
+def hold_eos(logits: torch.Tensor, eos_ids: set[int], position: int, min_new_tokens: int) -> torch.Tensor:
+    """``logits`` [vocab] of the new token at 0-based ``position``, with every EOS id at -inf while
+    ``position < min_new_tokens`` (transformers' ``min_new_tokens``: the target's distribution conditioned
+    on not stopping yet, so decoding stays exactly the target's). Returns a copy only when it masks."""
+    if position >= min_new_tokens or not eos_ids:
+        return logits
+    held = logits.clone()
+    held[[i for i in eos_ids if i < held.shape[-1]]] = float("-inf")
+    return held
 
 
 def validate_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context_window: int | None) -> None:
@@ -120,8 +131,9 @@ class AutoregressiveDecoder:
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
-        """Decode ``prompt_ids``; ``on_tokens(new)``, if given, receives each emitted token as it arrives."""
+                 on_tokens: Callable[[list[int]], None] | None = None, min_new_tokens: int = 0) -> GenerationResult:
+        """Decode ``prompt_ids``; ``on_tokens(new)``, if given, receives each emitted token as it arrives;
+        no EOS among the first ``min_new_tokens`` tokens (:func:`hold_eos`)."""
         from transformers import DynamicCache
 
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.model)
@@ -135,7 +147,8 @@ class AutoregressiveDecoder:
         prefill_time = time.perf_counter() - start
         tokens: list[int] = []
         while True:
-            token = sample_from_logits(out.logits[0, -1], self.sampling, generator)
+            logits = hold_eos(out.logits[0, -1], self.eos_ids, len(tokens), min_new_tokens)
+            token = sample_from_logits(logits, self.sampling, generator)
             stop_reason = extend_until_stop(tokens, [token], self.eos_ids, max_new_tokens)
             if on_tokens is not None:
                 on_tokens([token])

@@ -10,6 +10,7 @@ runs the target's first k layers as one). Our keyword arguments: ``method`` (``f
 ``distill/`` and ``fit/``; ``ar``, ``all_small``, ``all_mid``, ``all_call``, ``csd`` and the
 ablations), ``tree`` (a dict of :class:`~treegraft.decoding.TreeConfig` settings, e.g.
 ``{"budget": "auto", "shape": "auto"}``). Honoured: ``max_new_tokens`` / ``max_length``,
+``min_new_tokens`` / ``min_length`` (EOS held back in the target's own logits, as transformers does),
 ``eos_token_id``, ``do_sample``, ``temperature``, ``top_k``, ``top_p`` (sampling keeps the target's
 distribution; the seed is drawn from torch's global generator, so ``torch.manual_seed`` governs it),
 ``streamer`` (tokens arrive turn by turn) and ``return_dict_in_generate`` (``sequences``). Anything
@@ -40,7 +41,7 @@ class TreeGraftGenerateError(ValueError):
 _NEUTRAL = {
     "num_beams": 1, "num_beam_groups": 1, "penalty_alpha": None, "repetition_penalty": 1.0,
     "encoder_repetition_penalty": 1.0, "length_penalty": 1.0, "no_repeat_ngram_size": 0, "bad_words_ids": None,
-    "force_words_ids": None, "min_length": 0, "min_new_tokens": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "force_words_ids": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
     "eta_cutoff": 0.0, "min_p": None, "diversity_penalty": 0.0, "sequence_bias": None, "suppress_tokens": None,
     "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None, "guidance_scale": None,
     "output_scores": False, "output_logits": False, "output_attentions": False, "output_hidden_states": False,
@@ -105,6 +106,8 @@ def treegraft_generate(model: nn.Module, inputs: torch.Tensor | None = None, *, 
         max_new = int(gc.max_length) - len(prompt)
     else:
         raise TreeGraftGenerateError("set max_new_tokens (or max_length)")
+    # transformers' two minimum-length rules, both in new tokens here (min_length counts the prompt)
+    min_new = max(int(gc.min_new_tokens or 0), int(gc.min_length or 0) - len(prompt), 0)
     eos = gc.eos_token_id
     eos_ids = set() if eos is None else ({int(eos)} if isinstance(eos, int) else {int(e) for e in eos})
     if gc.do_sample:
@@ -137,7 +140,7 @@ def treegraft_generate(model: nn.Module, inputs: torch.Tensor | None = None, *, 
         streamer.put(ids.cpu())  # transformers' convention: the prompt first (TextStreamer may skip it)
         on_tokens = lambda new: streamer.put(torch.tensor(new, dtype=torch.long)) if new else None  # noqa: E731
     try:
-        result = decoder.generate(prompt, max_new, on_tokens=on_tokens)
+        result = decoder.generate(prompt, max_new, on_tokens=on_tokens, min_new_tokens=min_new)
     finally:
         if streamer is not None:
             streamer.end()

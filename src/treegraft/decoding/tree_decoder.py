@@ -34,7 +34,7 @@ from ..model_io import (cache_length, forward_hidden, head_weight, keep_cache_po
 from ..paths import default_cache_dir
 from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
 from ..tree import MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_order, prune_to_budget
-from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, make_generator, prepare_prompt
+from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, hold_eos, make_generator, prepare_prompt
 from .backoff import CallGate
 from .budget import BudgetPlanner, cached_verify_curve
 from .sampling import SamplingConfig
@@ -244,6 +244,8 @@ class TreeGraftDecoder:
         self.t_mid_ms = 0.0
         self.context_samples: dict[str, list[float]] = {}  # warm_up's per-turn timings behind t_tgt_ms / t_mid_ms
         self.prompt_len = 0
+        self._min_new_tokens = 0  # generate()'s: EOS is held back before this many new tokens ...
+        self._emitted = 0  # ... counted from the tokens emitted before the current turn
 
     # ------------------------------------------------------------------ setup
     def _frequent(self, k: int, vocab_size: int) -> torch.Tensor:
@@ -666,7 +668,11 @@ class TreeGraftDecoder:
             if row not in rows:
                 t0 = time.perf_counter()
                 batch = [r for r in likely_chain(row) if r not in rows]
-                rows.update(zip(batch, lm_logits(self.target, hidden[batch])))
+                logits = lm_logits(self.target, hidden[batch])
+                if self._emitted < self._min_new_tokens:  # a row at depth d predicts new token emitted + d
+                    logits = [hold_eos(x, self.eos_ids, self._emitted + int(inputs.position_ids[r]) - L,
+                                       self._min_new_tokens) for r, x in zip(batch, logits)]
+                rows.update(zip(batch, logits))
                 stats["target_forward_s"] += time.perf_counter() - t0
             return rows[row]
 
@@ -738,11 +744,13 @@ class TreeGraftDecoder:
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                  before_turn: Callable[[int, int], None] | None = None,
-                 on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                 on_tokens: Callable[[list[int]], None] | None = None, min_new_tokens: int = 0) -> GenerationResult:
         """Decode ``prompt_ids``; ``before_turn(turn_index, root_token)``, if given, runs before each
         turn on the decoder's current state (e.g. to enumerate schedules there; it must leave the
         state as it found it); ``on_tokens(new)`` receives each turn's emitted tokens as they arrive
-        (streaming)."""
+        (streaming). ``min_new_tokens``: no EOS among the first this many tokens, as transformers'
+        option of that name (the verification holds EOS back in the target's own logits, so the output
+        is still exactly the target's decoding under that rule)."""
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.target)
         self.budget()
         if self.gate is not None:
@@ -758,7 +766,9 @@ class TreeGraftDecoder:
         tokens: list[int] = []
         turns: list[dict] = []
         stop_reason = None
+        self._min_new_tokens = int(min_new_tokens)
         while stop_reason is None:
+            self._emitted = len(tokens)
             if before_turn is not None:
                 before_turn(len(turns), root)
             emitted, stats = self._turn(root, generator)
