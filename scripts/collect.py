@@ -1,4 +1,4 @@
-"""Stage `collect`: enumerate all 2^D drafting schedules at sampled turns of real prompts (SPEC 5.2).
+"""Stage `collect`: enumerate all 2^D drafting schedules at sampled turns of real prompts.
 
 Run:
     make collect EXPERIMENT=smoke                      # tiny random pair, a minute

@@ -1,4 +1,4 @@
-"""Stage `distill`: margin teacher, distilled margin predictor and offline evaluation (SPEC 5.4-5.5).
+"""Stage `distill`: margin teacher, distilled margin predictor and offline evaluation.
 
 Run:
     make distill EXPERIMENT=smoke

@@ -1,4 +1,4 @@
-"""Stage `evaluate`: every method on every pair x benchmark, Spec-Bench style records (SPEC 6).
+"""Stage `evaluate`: every method on every pair x benchmark, Spec-Bench style records.
 
 Run:
     make evaluate EXPERIMENT=smoke

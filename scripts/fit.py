@@ -1,4 +1,4 @@
-"""Stage `fit`: grouped out-of-fold tree-signal selection and the four value heads (SPEC 5.3).
+"""Stage `fit`: grouped out-of-fold tree-signal selection and the four value heads.
 
 Run:
     make fit EXPERIMENT=smoke

@@ -1,4 +1,4 @@
-"""Schedule enumeration (SPEC 5.2): every schedule exactly once per turn, each outcome equal to a
+"""Schedule enumeration: every schedule exactly once per turn, each outcome equal to a
 fresh decode of that schedule, prefix sharing, and the decoder state left untouched."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The n-gram drafter (SPEC 4.1): longest match first, target-scored children, floor, incremental index."""
+"""The n-gram drafter: longest match first, target-scored children, floor, incremental index."""
 
 from __future__ import annotations
 

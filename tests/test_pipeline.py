@@ -1,4 +1,4 @@
-"""The scheduler pipeline (SPEC 5.2-5.5, 7): the smoke experiment end to end, resumable collect,
+"""The scheduler pipeline (collect, fit, distill): the smoke experiment end to end, resumable collect,
 grouped folds, the margin teacher on a synthetic value system, predictor save/load, stage errors."""
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def test_stepwise_selection_drops_a_runtime_feature_that_misleads():
     chosen, table = select_signals(df, 1, ["log_prompt_len", "node_count"], MLPConfig(hidden=(16,), epochs=60),
                                    search="greedy", n_folds=5)
     assert chosen == ["node_count"]
-    assert "log_prompt_len" in set(table["subset"])  # the SPEC's state was the starting point
+    assert "log_prompt_len" in set(table["subset"])  # the paper's state was the starting point
 
 
 def test_artifacts_saved_before_the_context_was_selectable_keep_it(tmp_path):

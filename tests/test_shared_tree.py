@@ -1,4 +1,4 @@
-"""The shared tree (SPEC 3.2): lossless under every schedule, grafting invariants, the "Lumber
+"""The shared tree: lossless under every schedule, grafting invariants, the "Lumber
 Liquidators" effect, and tree signals on hand-built trees."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tree invariants (SPEC 8): pruning is ancestor-closed and within budget, siblings are distinct,
+"""Tree invariants (a correctness bar): pruning is ancestor-closed and within budget, siblings are distinct,
 retrieval paths match the mask. Property-based over random trees."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tree speculative decoder is lossless (SPEC 8): greedy equality with `ar`, the sampling
+"""The tree speculative decoder is lossless: greedy equality with `ar`, the sampling
 distribution, and KV caches that equal a fresh forward over the emitted text."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 In float32 every method must emit exactly `ar`'s tokens. In lower precision a tree forward and a
 one-token forward round differently, so a near-tie between the two best tokens can flip. At the
 first differing position we therefore look at the float32 target's top-2 logit gap given the shared
-prefix: a gap within ``tie_tolerance`` explains the mismatch as a tie (SPEC 8).
+prefix: a gap within ``tie_tolerance`` explains the mismatch as a tie, which the greedy-equality check tolerates.
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ LIKELY_ROW_P = 0.08
 class MethodPreset:
     """How a method builds its tree.
 
-    shared: the shared-tree construction of SPEC 3.2 (asymmetric rescoring, grafting) rather than
-        the single-drafter construction of SPEC 3.1.
+    shared: the shared-tree construction (asymmetric rescoring, grafting) rather than
+        the single-drafter construction.
     schedule: ``"small"`` (every step skips), ``"mid"`` (every step calls) or ``"fixed"``
         (``TreeConfig.schedule``).
     """
@@ -80,7 +80,7 @@ METHOD_PRESETS: dict[str, MethodPreset] = {
 
 @dataclass
 class TreeConfig:
-    """Tree and drafter settings (SPEC section 3 defaults).
+    """Tree and drafter settings (the paper's defaults, Appendix E).
 
     method: a key of ``METHOD_PRESETS``: ``all_small`` / ``all_mid`` (single-drafter endpoints),
         ``fixed`` (shared tree, ``schedule``), ``all_call`` (shared tree, every step a call),
@@ -92,7 +92,7 @@ class TreeConfig:
         expected throughput from the measured verification curve and the acceptance observed so far
         (:class:`treegraft.decoding.budget.BudgetPlanner`), up to ``auto_max_budget``.
     shape: ``"paper"``: every step expands ``width`` nodes with ``top_m`` children and a middle step
-        rescores the whole tree (SPEC 3, GPU-shaped); ``"auto"``: W, m and the middle step's rescoring
+        rescores the whole tree (the paper's construction, GPU-shaped); ``"auto"``: W, m and the middle step's rescoring
         scope follow B_ver (:func:`auto_shape`; ``width`` / ``top_m`` become caps), so construction
         grows with B_ver, not with W * m * D. The Hydra configs default to ``auto``.
     draft_vocab: size K of the middle drafter's restricted draft vocabulary (the K most frequent
@@ -438,7 +438,7 @@ class TreeGraftDecoder:
         return [0] if step == 1 else tree.nodes_created_at(step - 1)
 
     def _graft_middle(self, tree: DraftTree, step: int, stats: dict) -> None:
-        """A shared-tree middle step (SPEC 3.2): rescore every node under q_m, select anywhere, graft."""
+        """A shared-tree middle step: rescore every node under q_m, select anywhere, graft."""
         start = time.perf_counter()
         mid = self.middle
         preset = self.cfg.preset
@@ -487,7 +487,7 @@ class TreeGraftDecoder:
         return all(depth[n] >= horizon for n in self._middle_pool(tree, step, self._rescore_scope(tree)))
 
     def step_state(self, tree: DraftTree, step: int, history: list[int], with_signals: bool) -> StepState:
-        """The scheduler's view before step ``step``'s action (SPEC 5.1)."""
+        """The scheduler's view before step ``step``'s action (the scheduler state)."""
         signals = None
         if with_signals:
             frontier = frontier_of(tree, step)
@@ -557,8 +557,8 @@ class TreeGraftDecoder:
         """Build one turn's tree, step t done by ``actions[t-1]`` (0 = n-gram drafter, 1 = middle drafter),
         or by the scheduler's decision before each step when ``actions`` is None.
 
-        Single-drafter methods (SPEC 3.1): step 1 expands the root, step t the top W of the nodes
-        created at step t-1, with stored scores. Shared-tree methods (SPEC 3.2): the small step is
+        Single-drafter methods: step 1 expands the root, step t the top W of the nodes
+        created at step t-1, with stored scores. Shared-tree methods: the small step is
         the same; a middle step rescores the whole tree and may graft under any unvisited node.
         """
         if self.cfg.preset.csd:

@@ -51,7 +51,7 @@ def accept_sampling(
     cfg: SamplingConfig,
     generator: torch.Generator | None,
 ) -> Acceptance:
-    """Lossless acceptance of deterministic candidates (SPEC 3.4).
+    """Lossless acceptance of deterministic candidates (sequential rejection sampling).
 
     At a node with target distribution ``p``, the residual ``r`` starts as ``p``; children are tried
     in ``child_order`` (best ``cum`` first): child token x is accepted with probability ``r(x)``; on

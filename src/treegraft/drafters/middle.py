@@ -1,6 +1,6 @@
 """The middle drafter: a causal LM with its own KV cache over the context and the draft tree.
 
-SPEC 4.2. The drafter's cache holds the committed context (it may lag behind: tokens emitted
+The drafter's cache holds the committed context (it may lag behind: tokens emitted
 while it was not called are *pending* and are encoded, as a causal chain, at the start of its next
 call), then one slot per tree node it encoded this turn. A call encodes only the requested nodes
 it has not encoded yet (and their unencoded ancestors), with tree attention: a node attends to the

@@ -1,6 +1,6 @@
 """The small drafter: n-gram lookup over the context, scored with the target's cached top-m.
 
-SPEC 4.1. The context (prompt + emitted tokens) is indexed by n-grams of orders 1..N, each mapped
+The context (prompt + emitted tokens) is indexed by n-grams of orders 1..N, each mapped
 to the positions where it ends; the index grows as tokens are emitted and is never rebuilt. For a
 node, the last n tokens of context + path are looked up, longest n first; every occurrence proposes
 the token that followed it, scored by the target's cached log-probability of that token at that
@@ -14,7 +14,7 @@ Copy chains (our addition, ``copy_len`` > 0): where the context + path ends in a
 >= ``copy_min_order`` seen before, :meth:`copy_chain` proposes the ``copy_len`` tokens that followed
 its most recent occurrence, as one deep branch: what prompt lookup decoding drafts, inside the tree.
 
-Scoring (``scoring``): ``target`` is the SPEC's (the cached target log-probability, or the floor);
+Scoring (``scoring``): ``target`` is the paper's (the cached target log-probability, or the floor);
 copied tokens score at least the log of the copy rate. ``calibrated`` (our addition) scores a child by
 the log of the rate at which children of its kind were accepted when their parent was: the kind is
 (matched order, rank among that order's proposals) or ``copy``, counted from every turn

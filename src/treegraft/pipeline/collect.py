@@ -1,4 +1,4 @@
-"""Stage `collect` (SPEC 5.2): exhaustive 2^D schedule enumeration on real prompts, rows to Parquet.
+"""Stage `collect`: exhaustive 2^D schedule enumeration on real prompts, rows to Parquet.
 
 For each pair and fitting benchmark: a warm-up that calls the middle drafter at every step gives the
 runtime context (t_tgt, t_mid; not used as data); then each prompt is decoded, and at every sampled

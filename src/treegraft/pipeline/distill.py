@@ -1,4 +1,4 @@
-"""Stage `distill` (SPEC 5.4, 5.5): teacher margins, the margin predictor, offline evaluation.
+"""Stage `distill`: teacher margins, the margin predictor, offline evaluation.
 
 Reads the collected rows and the fitted value heads; writes ``scheduler.pt`` + ``scheduler.meta.json``
 (the deployed policy: feature order, signals, depth), ``offline_eval.{csv,md}`` and

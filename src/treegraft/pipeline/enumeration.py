@@ -1,4 +1,4 @@
-"""Exhaustive schedule enumeration for one decoding turn (SPEC 5.2).
+"""Exhaustive schedule enumeration for one decoding turn (the scheduler's training data).
 
 From one starting state (target cache, n-gram index, middle drafter cache), build the shared tree
 under every one of the 2^D schedules, verify each with the target and record, per schedule, the

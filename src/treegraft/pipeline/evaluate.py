@@ -1,4 +1,4 @@
-"""Stage `evaluate` (SPEC 6): every method on every pair x benchmark, one record per prompt.
+"""Stage `evaluate` (end-to-end decoding): every method on every pair x benchmark, one record per prompt.
 
 For each pair (the fitting pairs and the held-out ones) x benchmark (the six, MT-Bench included)
 x method: a warm-up generation (not scored), then the prompts (disjoint from the ones `collect`

@@ -1,4 +1,4 @@
-"""Stage `fit` (SPEC 5.3): tree-signal subset selection by grouped OOF validation, then the four heads.
+"""Stage `fit` (the value system): tree-signal subset selection by grouped OOF validation, then the four heads.
 
 Reads the collected rows of the fitting pairs x fitting benchmarks; writes ``value_heads.pt`` +
 ``value_heads.meta.json`` (the chosen signals and the input order), ``oof_table.csv`` (every

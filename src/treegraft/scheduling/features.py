@@ -1,10 +1,10 @@
-"""Feature vectors of the scheduler (SPEC 5.1, 5.3): the state and the future-suffix encoding.
+"""Feature vectors of the scheduler and its value heads: the state and the future-suffix encoding.
 
 state   = the selected runtime context (of 4) + history (2 + D) + the selected tree signals (k)
 suffix  = D bits aligned to absolute steps: bit s is 1 iff s > t and step s is a call
 
 The selected features are one list of names from :data:`RUNTIME_NAMES` and the tree signals: the
-SPEC's state has all four runtime-context features, and the signal selection (``fit``) starts from
+paper's state has all four runtime-context features, and the signal selection (``fit``) starts from
 them but may drop one where the grouped out-of-fold score says it hurts (with one pair,
 log(1 + prompt length) mostly tells the fitted benchmarks apart and misleads on a held-out one).
 

@@ -1,4 +1,4 @@
-"""The margin teacher, the distilled margin predictor and the two learned policies (SPEC 5.4).
+"""The margin teacher, the distilled margin predictor and the two learned policies (the scheduler's distillation).
 
 teacher margin(state at step t) = max over the 2^(D-t) future suffixes of T(call now, suffix)
                                 - max over the same suffixes of T(skip now, suffix),

@@ -1,4 +1,4 @@
-"""Offline evaluation of schedulers on enumerated turns (SPEC 5.5, paper B.5/B.6).
+"""Offline evaluation of schedulers on enumerated turns (paper B.5/B.6).
 
 A policy is followed through a turn's enumeration: before step t it sees the recorded state after
 its own prefix of actions (every prefix was recorded), decides, and at the end the turn's
@@ -7,7 +7,7 @@ direct value-system planner, all-skip (All-Small), all-call, the best fixed sche
 throughput on the training turns), a uniformly random policy (its exact expectation: the mean over
 all schedules) and the per-turn oracle (the best enumerated schedule).
 
-Two measures per policy: ``mean_tau``, the mean over turns of each turn's throughput (the SPEC's, and
+Two measures per policy: ``mean_tau``, the mean over turns of each turn's throughput (the paper's, and
 what the oracle maximises turn by turn), and ``total_tau`` = all its tokens / all its seconds (what a
 decode's tokens/s is; ``tokens`` and ``seconds`` are kept so that folds pool exactly). The random
 policy's totals are over every schedule of every turn.

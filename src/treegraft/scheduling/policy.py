@@ -1,6 +1,6 @@
 """The scheduler interface: per drafting step, call the middle drafter (1) or skip it (0).
 
-A policy sees a :class:`StepState` measured before the step's action (SPEC 5.1): runtime context,
+A policy sees a :class:`StepState` measured before the step's action (the scheduler state): runtime context,
 scheduling history and, if it asks for them (``needs_signals``), the tree signals.
 """
 

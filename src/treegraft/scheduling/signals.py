@@ -1,4 +1,4 @@
-"""Tree signals: cheap numeric summaries of the draft tree before a step's action (SPEC 5.1).
+"""Tree signals: cheap numeric summaries of the draft tree before a step's action (part of the scheduler state).
 
 Every tree signal is a pure function of the tree, the step's frontier and (for two of them) the
 n-gram drafter's proposal at the best frontier node. ``tree_signals`` returns them all as a named

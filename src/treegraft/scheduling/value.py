@@ -1,4 +1,4 @@
-"""The offline value system (SPEC 5.3): four action-conditioned MLP heads and signal selection.
+"""The offline value system of the scheduler: four action-conditioned MLP heads and signal selection.
 
 Heads: AL | call, log-latency | call, AL | skip, log-latency | skip. Each maps the pre-action state
 plus the future-suffix encoding to the *complete-turn* outcome of that schedule. Throughput of a
@@ -16,7 +16,7 @@ report, i.e. pair x benchmark, never straddles folds): the normalized mean absol
 log-latency and throughput on both branches (each error divided by the target's standard
 deviation), averaged. ``search='auto'`` is exhaustive over all subsets when that is at most
 ``max_exhaustive`` subsets, otherwise stepwise selection: start from the candidates' runtime
-context (the SPEC's state), add the feature that lowers the score most until nothing does, then drop
+context (the paper's state), add the feature that lowers the score most until nothing does, then drop
 any feature whose removal lowers it -- documented in docs/pipeline.md.
 """
 
@@ -307,7 +307,7 @@ def select_signals(
             for subset in itertools.combinations(free, k):
                 score(subset)
     else:
-        # start from the SPEC's state (its runtime context), add the feature that lowers the score most
+        # start from the paper's state (its runtime context), add the feature that lowers the score most
         # until none does, then drop any feature whose removal lowers it (a runtime feature included)
         chosen: tuple[str, ...] = tuple(c for c in candidates if c in RUNTIME_NAMES)
         best = score(chosen)
