@@ -94,3 +94,21 @@ def test_every_stage_config_composes_with_every_experiment(stage):
     for option in options("experiment"):
         cfg = compose(stage, [f"experiment={option}"])
         assert cfg.pipeline.name == option
+
+
+def test_dataclass_defaults_equal_the_shipped_yaml():
+    """One source of defaults: TreeConfig() (what the Python API gets) is the tree every table uses."""
+    from dataclasses import asdict, fields
+
+    from treegraft.decoding import TreeConfig
+
+    shipped = OmegaConf.to_container(compose("generate", ["pair=tiny-random"]).tree, resolve=True)
+    library = asdict(TreeConfig())
+    library.pop("method")
+    assert set(shipped) == set(library), "tree settings missing from conf/tree/default.yaml or from TreeConfig"
+    for name in shipped:
+        assert shipped[name] == library[name], (name, shipped[name], library[name])
+    assert tree_config_from("fixed", shipped) == TreeConfig(method="fixed")
+    paper = TreeConfig.paper()
+    assert (paper.budget, paper.shape, paper.ngram.scoring, paper.ngram.copy_len) == (63, "paper", "target", 0)
+    assert {f.name for f in fields(TreeConfig)} - {"method"} == set(shipped)

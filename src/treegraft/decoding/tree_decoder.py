@@ -80,7 +80,9 @@ METHOD_PRESETS: dict[str, MethodPreset] = {
 
 @dataclass
 class TreeConfig:
-    """Tree and drafter settings (the paper's defaults, Appendix E).
+    """Tree and drafter settings. The defaults are the project's (those of ``conf/tree/default.yaml``,
+    which a test keeps equal): the paper's D, W, m (Appendix E) with B_ver and the shape measured on
+    the machine; :meth:`paper` gives the paper's GPU-shaped tree (B_ver = 63, whole-tree rescoring).
 
     method: a key of ``METHOD_PRESETS``: ``all_small`` / ``all_mid`` (single-drafter endpoints),
         ``fixed`` (shared tree, ``schedule``), ``all_call`` (shared tree, every step a call),
@@ -94,7 +96,7 @@ class TreeConfig:
     shape: ``"paper"``: every step expands ``width`` nodes with ``top_m`` children and a middle step
         rescores the whole tree (the paper's construction, GPU-shaped); ``"auto"``: W, m and the middle step's rescoring
         scope follow B_ver (:func:`auto_shape`; ``width`` / ``top_m`` become caps), so construction
-        grows with B_ver, not with W * m * D. The Hydra configs default to ``auto``.
+        grows with B_ver, not with W * m * D.
     draft_vocab: size K of the middle drafter's restricted draft vocabulary (the K most frequent
         tokens plus the context's, :mod:`treegraft.drafters.vocab`); None = the full vocabulary.
     node_cap: construction stops adding nodes past this many.
@@ -113,7 +115,7 @@ class TreeConfig:
     depth: int = 5
     width: int = 10
     top_m: int = 10
-    budget: int | str = 63
+    budget: int | str = "auto"
     node_cap: int = 511
     schedule: list[int] = field(default_factory=lambda: [1, 0, 1, 0, 1])
     grafting: str | None = None
@@ -123,7 +125,7 @@ class TreeConfig:
     auto_max_budget: int = 63
     skip_beyond_budget: bool = True
     call_backoff: bool = True
-    shape: str = "paper"
+    shape: str = "auto"
     draft_vocab: int | None = None
 
     def __post_init__(self) -> None:
@@ -146,6 +148,13 @@ class TreeConfig:
             raise ValueError(f"shape must be auto or paper, got {self.shape!r}")
         if self.draft_vocab is not None and int(self.draft_vocab) < 1:
             raise ValueError(f"draft_vocab must be a positive size or null, got {self.draft_vocab!r}")
+
+    @classmethod
+    def paper(cls, **overrides) -> "TreeConfig":
+        """The paper's tree (Appendix E: B_ver = 63, W = m = 10, whole-tree rescoring) and n-gram drafter
+        (the cached target log-probabilities over the full vocabulary, no copy chain)."""
+        ngram = NGramConfig(prefill_vocab=None, copy_len=0, scoring="target")
+        return cls(**{"budget": 63, "shape": "paper", "ngram": ngram, **overrides})
 
     @property
     def preset(self) -> MethodPreset:

@@ -58,10 +58,10 @@ class NGramConfig:
     max_occurrences: int = 64
     # scores at prompt positions: log-softmax over the K most frequent tokens plus the prompt's own
     # (None: the full vocabulary); see TreeGraftDecoder._prefill
-    prefill_vocab: int | None = None
-    copy_len: int = 0  # tokens of a copy chain under the root (0: none)
+    prefill_vocab: int | None = 8192
+    copy_len: int = 24  # tokens of a copy chain under the root (0: none)
     copy_min_order: int = 2  # shortest matched n-gram that starts a copy chain
-    scoring: str = "target"  # target (cached target log-probabilities) | calibrated (observed acceptance rates)
+    scoring: str = "calibrated"  # target (cached target log-probabilities) | calibrated (observed acceptance rates)
 
     def __post_init__(self) -> None:
         if self.max_n < 1 or self.top_m < 1:
