@@ -105,6 +105,16 @@ def test_unknown_config_names_are_one_line_with_the_available_names():
         assert len(proc.stderr.strip().splitlines()) == 1 and f"unknown {arg.split('=')[0]} 'nope'" in proc.stderr
 
 
+def test_a_misspelt_tree_setting_is_one_line_naming_the_known_ones():
+    for arg in ("tree.bugdet=8", "+tree.bugdet=8"):  # Hydra's own message, or the library's check
+        proc = run_generate("pair=tiny-random", "prompt=hi", "max_new_tokens=2", arg)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+        assert lines[0].startswith("error: unknown tree setting 'bugdet'; expected one of ") and "budget" in lines[0]
+    proc = run_generate("pair=tiny-random", "prompt=hi", "max_new_tokens=2", "tree.ngram.max_x=3")
+    assert proc.returncode == 2 and "unknown tree.ngram setting 'max_x'" in proc.stderr
+
+
 def test_bench_engine_learned_method_without_artifacts_names_the_stage(tmp_path):
     proc = subprocess.run(
         [sys.executable, "scripts/bench_engine.py", "pair=tiny-random", "methods=[ar,treegraft]", f"artifacts={tmp_path}",

@@ -24,7 +24,7 @@ def scores_for(n_pos: int, table: dict[int, dict[int, float]], m: int = 3):
 def test_longest_match_first_then_shorter_orders():
     # context: 1 2 3 | 9 2 3 7 | 5 3 8 | 1 2   (root = last token 2)
     ctx = [1, 2, 3, 9, 2, 3, 7, 5, 3, 8, 1, 2]
-    drafter = NGramDrafter(NGramConfig(max_n=3, top_m=3, floor_penalty=1.0))
+    drafter = NGramDrafter(NGramConfig(max_n=3, top_m=3, floor_penalty=1.0, scoring="target"))
     table = {1: {3: -0.5}, 4: {3: -0.2}, 2: {9: -1.0}, 5: {7: -0.3}, 8: {8: -0.4}}
     drafter.reset(ctx, *scores_for(len(ctx) - 1, table))
     children, match = drafter.propose([])
@@ -41,7 +41,7 @@ def test_longest_match_first_then_shorter_orders():
 
 def test_floor_for_tokens_outside_the_cached_top_m_and_no_match():
     ctx = [4, 5, 4, 6]
-    drafter = NGramDrafter(NGramConfig(max_n=2, top_m=2, floor_penalty=2.0))
+    drafter = NGramDrafter(NGramConfig(max_n=2, top_m=2, floor_penalty=2.0, scoring="target"))
     ids, lps = scores_for(3, {0: {7: -0.1, 8: -0.9}}, m=2)  # position 0 predicts 7 or 8, but 5 followed
     drafter.reset(ctx, ids, lps)
     children, _ = drafter.propose([4])  # sequence ... 6, 4 -> suffix [4] ends at 0 and 2
@@ -65,8 +65,8 @@ def test_incremental_index_equals_a_rebuild():
 def test_extend_cache_switch():
     ctx = [5, 6, 7]  # prompt; positions 0..2 are scored at prefill
     ids, lps = scores_for(3, {}, m=3)
-    on = NGramDrafter(NGramConfig(max_n=1, top_m=3, extend_cache=True))
-    off = NGramDrafter(NGramConfig(max_n=1, top_m=3, extend_cache=False, uncached_score=-12.0))
+    on = NGramDrafter(NGramConfig(max_n=1, top_m=3, extend_cache=True, scoring="target"))
+    off = NGramDrafter(NGramConfig(max_n=1, top_m=3, extend_cache=False, uncached_score=-12.0, scoring="target"))
     for d in (on, off):
         d.reset(ctx, ids, lps)
         d.append([1, 2, 1])  # generated: positions 3, 4, 5; "1" at 3 was followed by 2

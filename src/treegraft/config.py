@@ -27,6 +27,8 @@ def check_config_choices(argv: list[str] | None = None, conf_dir=CONF_DIR) -> No
 
     for arg in sys.argv[1:] if argv is None else argv:
         key, sep, value = arg.lstrip("+").partition("=")
+        if sep and "." in key and not key.startswith(("~", "-")):
+            _check_setting(key, conf_dir)
         if not sep or "." in key or "/" in key or key.startswith(("~", "-")):
             continue
         group = Path(conf_dir) / key
@@ -37,3 +39,28 @@ def check_config_choices(argv: list[str] | None = None, conf_dir=CONF_DIR) -> No
             if choice and choice != "null" and choice not in available:
                 print(f"error: unknown {key} {choice!r}; available: {', '.join(available)}", file=sys.stderr)
                 sys.exit(2)
+
+
+# groups whose settings are a dataclass's fields (every option names them all): a dotted override of
+# a setting none of them has is a typo, which the library would otherwise see only as an unknown key
+SETTING_GROUPS = ("tree",)
+
+
+def _check_setting(key: str, conf_dir) -> None:
+    """Exit with one line (status 2) when ``key`` (``tree.bugdet``) names no setting of its group."""
+    import sys
+    from pathlib import Path
+
+    group, *path = key.split(".")
+    folder = Path(conf_dir) / group
+    if group not in SETTING_GROUPS or not folder.is_dir():
+        return
+    options = [OmegaConf.to_container(OmegaConf.load(f)) for f in sorted(folder.glob("*.yaml"))]
+    level = options
+    for depth, name in enumerate(path):
+        known = sorted({k for option in level if isinstance(option, dict) for k in option})
+        if name not in known:
+            where = ".".join([group, *path[:depth]])
+            print(f"error: unknown {where} setting {name!r}; expected one of {', '.join(known)}", file=sys.stderr)
+            sys.exit(2)
+        level = [option[name] for option in level if isinstance(option, dict) and name in option]
