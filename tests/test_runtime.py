@@ -12,12 +12,12 @@ from torch import nn
 from treegraft.machine import cpu_info, cpu_line, native_bf16
 from treegraft.models import build_tiny_model
 from treegraft.models.gguf_convert import _int4_groups
+from treegraft.models.runtime.memory import _file_mapped_ranges
 from treegraft.models.runtime import (
     Int4Block,
     Int4Linear,
     PackedLinear,
     RuntimeUnavailable,
-    _file_mapped_ranges,
     apply_runtime,
     choose_runtime,
     curve_at,
@@ -288,8 +288,9 @@ def test_small_gemm_kernel_equals_linear_for_every_row_count():
 
 def test_packed_linear_without_the_kernel_uses_mkl_and_onednn(monkeypatch):
     import treegraft.models.runtime as rt
+    import treegraft.models.runtime.linears as linears
 
-    monkeypatch.setattr(rt, "small_gemm", lambda: None)
+    monkeypatch.setattr(linears, "small_gemm", lambda: None)
     lin = _linear(64, 48, True)
     packed = rt.PackedLinear.from_linear(lin)
     assert packed.small is None
@@ -414,7 +415,7 @@ def test_bf16_max_rows_sets_the_crossover_of_every_linear():
 
 def test_bf16_max_rows_auto_measures_the_largest_body_linear(monkeypatch):
     _avx512()
-    import treegraft.models.runtime as runtime
+    import treegraft.models.runtime.apply as runtime
 
     measured = []
 
@@ -435,7 +436,7 @@ def test_bf16_max_rows_auto_measures_the_largest_body_linear(monkeypatch):
 def test_rows_until_slower_finds_the_crossover():
     import time
 
-    from treegraft.models.runtime import _rows_until_slower
+    from treegraft.models.runtime.timing import _rows_until_slower
 
     def narrow(x):  # 2 ms a row
         time.sleep(0.002 * x.shape[0])

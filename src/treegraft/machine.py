@@ -12,6 +12,8 @@ import subprocess
 
 import torch
 
+from .torch_ops import onednn_bf16_supported
+
 __all__ = ["cpu_model_name", "cpu_capability", "native_bf16", "cpu_info", "cpu_line"]
 
 
@@ -43,10 +45,7 @@ def cpu_capability() -> str:
 @functools.cache
 def native_bf16() -> bool:
     """Whether oneDNN runs bfloat16 matrix products natively here (AVX512-BF16 / AMX), not emulated."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
+    return onednn_bf16_supported()
 
 
 def cpu_info() -> dict:

@@ -25,7 +25,8 @@ from torch import nn
 
 from ..paths import default_cache_dir, default_models_dir
 from .embedded import EMBEDDED_MODELS, int4_blocks, is_converted
-from .runtime import RUNTIMES, RuntimeChoice, apply_runtime, choose_runtime, runtime_load_dtype, runtime_unavailable
+from .runtime import (RuntimeChoice, apply_runtime, check_runtime_name, choose_runtime, runtime_load_dtype,
+                      runtime_unavailable)
 from .tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer
 
 __all__ = [
@@ -178,8 +179,7 @@ def resolve_runtime(
     """``runtime`` itself, or for ``auto`` the runtime measured fastest for ``source`` on this machine
     (:func:`~treegraft.models.runtime.choose_runtime`, cached in ``<cache_dir>/runtime.json``)."""
     if runtime != "auto":
-        if runtime not in RUNTIMES:
-            raise ValueError(f"unknown runtime {runtime!r}; expected auto or one of {', '.join(RUNTIMES)}")
+        check_runtime_name(runtime)
         return runtime
     return runtime_choice(source, device, models_dir, cache_dir, log).runtime
 
@@ -304,6 +304,5 @@ def resolve_middle_runtime(middle_runtime: str | None, target_runtime: str | Non
         if target_runtime is not None and runtime_unavailable("int8", device) is None:
             return "int8"
         return target_runtime
-    if middle_runtime not in RUNTIMES:
-        raise ValueError(f"unknown middle_runtime {middle_runtime!r}; expected auto, same or one of {', '.join(RUNTIMES)}")
+    check_runtime_name(middle_runtime, "middle_runtime", also=("auto", "same"))
     return middle_runtime

@@ -1,6 +1,6 @@
 """Draft trees: the data structure, pruning to a budget, and verification inputs."""
 
-from .buffers import TreeInputs, additive_tree_mask, build_tree_inputs, prune_order, prune_to_budget
+from .buffers import TreeInputs, build_tree_inputs, prune_order, prune_to_budget
 from .draft_tree import MIDDLE, ROOT, SMALL, DraftTree
 
-__all__ = ["DraftTree", "MIDDLE", "ROOT", "SMALL", "TreeInputs", "additive_tree_mask", "build_tree_inputs", "prune_order", "prune_to_budget"]
+__all__ = ["DraftTree", "MIDDLE", "ROOT", "SMALL", "TreeInputs", "build_tree_inputs", "prune_order", "prune_to_budget"]

@@ -11,7 +11,7 @@ import torch
 
 from .draft_tree import DraftTree
 
-__all__ = ["prune_order", "prune_to_budget", "TreeInputs", "build_tree_inputs", "additive_tree_mask"]
+__all__ = ["prune_order", "prune_to_budget", "TreeInputs", "build_tree_inputs"]
 
 
 def _ranked_candidates(tree: DraftTree) -> list[int]:
@@ -136,18 +136,3 @@ def build_tree_inputs(tree: DraftTree, kept: list[int], context_len: int) -> Tre
         child_rows=child_rows,
         retrieve_paths=paths,
     )
-
-
-def additive_tree_mask(allowed: torch.Tensor, past_len: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A 4D additive mask [1, 1, q, past_len + q] from a boolean [q, q] "may attend" matrix.
-
-    Every query attends to all ``past_len`` cached positions; among the new positions it attends
-    where ``allowed`` is True. 0 means attend, the dtype's minimum means blocked (the form every
-    attention implementation of transformers accepts as a custom 4D mask).
-    """
-    q = allowed.shape[0]
-    full = torch.ones(q, past_len + q, dtype=torch.bool, device=device)
-    full[:, past_len:] = allowed.to(device)
-    mask = torch.zeros(q, past_len + q, dtype=dtype, device=device)
-    mask.masked_fill_(~full, torch.finfo(dtype).min)
-    return mask[None, None]

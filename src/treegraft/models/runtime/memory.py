@@ -1,0 +1,69 @@
+"""Memory: closing a checkpoint's file mapping once its weights are packed away."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+__all__ = ["release_file_mappings"]
+
+
+def _file_mapped_ranges() -> list[tuple[int, int]]:
+    """Address ranges of this process's file-backed memory mappings (Linux: /proc/self/maps; else none)."""
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return []
+    ranges = []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith("/"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((start, end))
+    return ranges
+
+
+def release_file_mappings(model: nn.Module) -> int:
+    """Copy the tensors of ``model`` that still live in memory-mapped files into ordinary memory; returns
+    the bytes copied.
+
+    transformers maps safetensors checkpoints and hands out views of the mapped pages. Once a runtime
+    has packed the linears, the tensors left (norms, embeddings, a kept head weight) keep each file's
+    mapping open, and with it the pages of every weight already packed away: a loaded Qwen 1.5B + 0.5B
+    pair in ``bfloat16_packed`` held 16.1 GiB resident, 7.6 GiB of it checkpoint pages; after this,
+    10.4 GiB. Tensors that shared memory still share it (tied embeddings and heads). Where there is no
+    /proc/self/maps (not Linux) nothing is copied.
+    """
+    ranges = _file_mapped_ranges()
+    if not ranges:
+        return 0
+
+    def mapped(t: torch.Tensor) -> bool:
+        if t.layout != torch.strided or t.is_mkldnn or t.device.type != "cpu" or t.numel() == 0:
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return any(start <= ptr < end for start, end in ranges)
+
+    copies: dict[tuple, torch.Tensor] = {}  # one copy per view of a mapped storage, so sharing survives
+
+    def copy_of(t: torch.Tensor) -> torch.Tensor:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if key not in copies:
+            copies[key] = t.detach().clone()
+        return copies[key]
+
+    with torch.no_grad():
+        for param in model.parameters():  # tied parameters are one object, listed once
+            if mapped(param.data):
+                param.data = copy_of(param.data)
+        for module in model.modules():
+            for name, buf in list(module._buffers.items()):
+                if buf is not None and mapped(buf):
+                    module._buffers[name] = copy_of(buf)
+            for name, value in list(vars(module).items()):
+                if type(value) is torch.Tensor and mapped(value):  # a plain attribute, e.g. a kept head weight
+                    setattr(module, name, copy_of(value))
+    return sum(t.untyped_storage().nbytes() for t in copies.values())
+
