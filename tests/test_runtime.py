@@ -271,11 +271,9 @@ def test_cpu_line_names_the_cpu_and_isa():
 
 
 def test_small_gemm_kernel_equals_linear_for_every_row_count():
-    from treegraft.models.runtime import small_gemm
+    from treegraft.models.runtime.kernels import SMALL_GEMM, small_gemm
 
-    kernel = small_gemm()
-    if kernel is None:
-        pytest.skip("no AVX2/FMA or no C++ compiler here: float32_packed falls back to MKL/oneDNN")
+    kernel = _kernel_or_skip(SMALL_GEMM, small_gemm)
     torch.manual_seed(0)
     for n, k in ((45, 40), (64, 96), (8, 8)):  # a ragged last column group, K not a multiple of 8
         w, b = torch.randn(n, k), torch.randn(n)
@@ -300,12 +298,20 @@ def test_packed_linear_without_the_kernel_uses_mkl_and_onednn(monkeypatch):
 
 
 def _avx512():
-    from treegraft.models.runtime import avx512_kernels
+    from treegraft.models.runtime.kernels import AVX512, avx512_kernels
 
-    kernels = avx512_kernels()
-    if kernels is None:
-        pytest.skip("no AVX512-BF16/VNNI here (or no C++ compiler): bfloat16_packed uses oneDNN, int8 is unavailable")
-    return kernels
+    return _kernel_or_skip(AVX512, avx512_kernels)
+
+
+def _kernel_or_skip(kernel, get):
+    """The compiled ``kernel``; skip only where this CPU cannot run it: a CPU that can and a kernel that
+    did not build is a failure (the build is loud, and so are its tests)."""
+    module = get()
+    if module is None:
+        if kernel.supported():
+            pytest.fail(f"{kernel.source} did not build on a CPU that supports it (run scripts/build_kernels.py)")
+        pytest.skip(f"this CPU lacks {', '.join(kernel.cpu_flags)}: {kernel.without}")
+    return module
 
 
 def test_avx512_bf16_kernel_is_a_bf16_linear_and_row_invariant():
@@ -512,3 +518,16 @@ def test_a_packed_runtime_leaves_no_tensor_in_the_checkpoint_file(tmp_path):
     model = load_model(str(tmp_path), runtime="float32_packed")
     assert _file_backed(model) == []
     torch.testing.assert_close(_logits(model, ids), _logits(build_tiny_model(0), ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_kernel_that_does_not_build_is_loud_when_strict(monkeypatch):
+    from dataclasses import replace
+
+    from treegraft.models.runtime.kernels import SMALL_GEMM, KernelBuildError, build_kernel
+
+    broken = replace(SMALL_GEMM, name="treegraft_no_such_kernel", source="no_such_kernel.cpp", cpu_flags=())
+    with pytest.raises(KernelBuildError, match=r"no_such_kernel.cpp did not build .*MKL/oneDNN"):
+        build_kernel(broken, strict=True)
+    monkeypatch.setenv("TREEGRAFT_STRICT_KERNELS", "0")
+    with pytest.warns(UserWarning, match="did not build"):
+        assert build_kernel(broken) is None  # lenient: a user's run falls back with one warning line

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -12,29 +14,72 @@ import torch
 from ...machine import cpu_line
 from ...torch_ops import mkl_packing_available
 
-__all__ = ["KERNELS_VERSION", "SMALL_GEMM_MAX_ROWS", "AVX512_FLAGS", "small_gemm", "avx512_kernels", "runtime_cache_key"]
+__all__ = ["KERNELS_VERSION", "SMALL_GEMM_MAX_ROWS", "AVX512_FLAGS", "KERNELS", "Kernel", "KernelBuildError", "build_kernel",
+           "strict_kernels", "small_gemm", "avx512_kernels", "runtime_cache_key"]
 
 KERNELS_VERSION = 5  # part of every cached measurement's key: bump when a runtime's kernels change
 SMALL_GEMM_MAX_ROWS = 8
 _CSRC = Path(__file__).parent.parent / "csrc"
 
 
-@functools.cache
-def small_gemm():
-    """The compiled small-batch float32 kernel (``csrc/small_gemm.cpp``), or None where it cannot run
-    or be built (not x86 with AVX2, no C++ compiler). Built once per machine into PyTorch's extension
-    cache (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``)."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or not _has_avx2_fma():
+class KernelBuildError(RuntimeError):
+    """A kernel this CPU supports did not build (with ``TREEGRAFT_STRICT_KERNELS=1``: ``make setup``, tests, CI)."""
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A C++ source of ``models/csrc`` compiled with ``torch.utils.cpp_extension``."""
+
+    name: str  # the extension's module name
+    source: str  # file in models/csrc
+    cflags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]  # /proc/cpuinfo flags the code needs
+    without: str  # what runs instead when it is missing
+
+    def supported(self) -> bool:
+        """Whether this CPU can run it (x86-64 with every flag)."""
+        return platform.machine().lower() in ("x86_64", "amd64") and set(self.cpu_flags) <= _cpu_flags()
+
+
+SMALL_GEMM = Kernel("treegraft_small_gemm", "small_gemm.cpp", ("-O3", "-mavx2", "-mfma"), ("avx2", "fma"),
+                    "float32_packed uses MKL/oneDNN only")
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni")
+AVX512 = Kernel("treegraft_small_gemm_avx512", "small_gemm_avx512.cpp",
+                ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni",
+                 "-ffp-contract=off"), AVX512_FLAGS, "bfloat16_packed uses oneDNN, int8 is unavailable")
+KERNELS = (SMALL_GEMM, AVX512)
+
+
+def strict_kernels() -> bool:
+    """``TREEGRAFT_STRICT_KERNELS=1``: a supported kernel that does not build is an error, not a warning."""
+    return os.environ.get("TREEGRAFT_STRICT_KERNELS", "") not in ("", "0")
+
+
+def build_kernel(kernel: Kernel, strict: bool | None = None):
+    """The compiled module of ``kernel`` (built once per machine into PyTorch's extension cache,
+    ``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; ``make setup`` builds it ahead of
+    time), or None where the CPU cannot run it. A failed build is one warning line naming what runs
+    instead, or with ``strict`` (default :func:`strict_kernels`) a :class:`KernelBuildError`."""
+    if not kernel.supported():
         return None
     try:
         from torch.utils.cpp_extension import load
 
-        return load("treegraft_small_gemm", sources=[str(_CSRC / "small_gemm.cpp")],
-                    extra_cflags=["-O3", "-mavx2", "-mfma"], verbose=False)
-    except Exception as err:  # no compiler, no ninja, ...: the stock kernels still work
-        warnings.warn(f"small-batch kernel not built ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
-                      "float32_packed uses MKL/oneDNN only", stacklevel=2)
+        return load(kernel.name, sources=[str(_CSRC / kernel.source)], extra_cflags=list(kernel.cflags), verbose=False)
+    except Exception as err:  # no compiler, no ninja, a compile error ...
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        message = f"{kernel.source} did not build ({type(err).__name__}: {first}); {kernel.without}"
+        if strict_kernels() if strict is None else strict:
+            raise KernelBuildError(message) from err
+        warnings.warn(message, stacklevel=3)
         return None
+
+
+@functools.cache
+def small_gemm():
+    """The compiled small-batch float32 kernel (``csrc/small_gemm.cpp``, AVX2/FMA), or None where it
+    cannot run or be built (:func:`build_kernel`)."""
+    return build_kernel(SMALL_GEMM)
 
 
 def _cpu_flags() -> set[str]:
@@ -45,37 +90,15 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
-def _has_avx2_fma() -> bool:
-    flags = _cpu_flags()
-    if flags:
-        return "avx2" in flags and "fma" in flags
-    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
-
-
-AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni")
-
-
 @functools.cache
 def avx512_kernels():
     """The compiled AVX-512 small-batch kernels (``csrc/small_gemm_avx512.cpp``: bf16 and per-row int8
-    linears), or None where the CPU lacks one of :data:`AVX512_FLAGS` or the build fails."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or not set(AVX512_FLAGS) <= _cpu_flags():
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load("treegraft_small_gemm_avx512", sources=[str(_CSRC / "small_gemm_avx512.cpp")],
-                    extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-                                  "-mavx512vnni", "-ffp-contract=off"], verbose=False)
-    except Exception as err:
-        warnings.warn(f"AVX-512 kernel not built ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
-                      "bfloat16_packed uses oneDNN, int8 is unavailable", stacklevel=2)
-        return None
+    linears), or None where the CPU lacks one of :data:`AVX512_FLAGS` or the build fails (:func:`build_kernel`)."""
+    return build_kernel(AVX512)
 
 
 def _mkl_packing() -> bool:
     return mkl_packing_available()
-
 
 
 def runtime_cache_key(model_id: str, device: str | torch.device = "cpu") -> str:
