@@ -57,9 +57,9 @@ from treegraft.errors import MissingArtifactError
 from treegraft.models import ModelLoadError, TokenizerMismatchError
 from treegraft.drafters import NGramConfig, NGramDrafter
 from treegraft.machine import cpu_info, cpu_line
-from treegraft.models import load_model, load_pair, load_tokenizer
+from treegraft.models import load_model, load_pair_from_settings, load_tokenizer
 from treegraft.pipeline.parallel import fork_map, one_thread_if_forking, split_jobs
-from treegraft.models.runtime import RUNTIMES, RuntimeUnavailable, effective_runtime, forward_curve, runtime_unavailable
+from treegraft.models.runtime import RUNTIMES, RuntimeUnavailable, forward_curve, runtime_unavailable
 from treegraft.scheduling import FixedScheduler
 
 
@@ -276,9 +276,7 @@ def run(cfg: DictConfig) -> None:
         runtime_table(cfg, load_prompts(cfg, load_tokenizer(cfg.pair.target, cfg.paths.models_dir)), console, out_dir)
         if cfg.runtimes_only:
             return
-    runtime = effective_runtime(cfg.runtime, cfg.dtype)
-    pair = load_pair(instantiate(cfg.pair), device=cfg.device, models_dir=cfg.paths.models_dir, runtime=runtime,
-                     cache_dir=cfg.paths.cache_dir, log=console.print, middle_runtime=cfg.middle_runtime)
+    pair = load_pair_from_settings(instantiate(cfg.pair), cfg, log=console.print)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     prompts = load_prompts(cfg, pair.tokenizer)
     methods = ["ar"] + [m for m in cfg.methods if m != "ar"]

@@ -77,17 +77,12 @@ def run(cfg: DictConfig) -> int:
     from .decoding import SamplingConfig
     from .decoding.factory import LEARNED_METHODS, load_learned_scheduler
     from .decoding.factory import build_decoder
-    from .models import load_pair
-    from .models.runtime import effective_runtime
+    from .models import load_pair_from_settings
 
     text = read_prompt(cfg)
     if not text.strip():
         raise ValueError("empty prompt: give a non-empty prompt or prompt_file")
-    pair_spec = instantiate(cfg.pair)
-    runtime = effective_runtime(cfg.runtime, cfg.dtype)
-    pair = load_pair(pair_spec, device=cfg.device, models_dir=cfg.paths.models_dir, runtime=runtime,
-                     cache_dir=cfg.paths.cache_dir, log=lambda line: print(line, file=sys.stderr),
-                     middle_runtime=cfg.middle_runtime)
+    pair = load_pair_from_settings(instantiate(cfg.pair), cfg, log=lambda line: print(line, file=sys.stderr))
     tokenizer = pair.tokenizer
     prompt = format_prompt(tokenizer, text) if cfg.chat_template else text
     prompt_ids = tokenizer(prompt, add_special_tokens=not cfg.chat_template).input_ids
@@ -109,7 +104,7 @@ def run(cfg: DictConfig) -> int:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
     stats = (
-        f"[{method}] pair={pair_spec.name} new_tokens={result.new_tokens} prompt_tokens={result.prompt_tokens} "
+        f"[{method}] pair={pair.spec.name} new_tokens={result.new_tokens} prompt_tokens={result.prompt_tokens} "
         f"time={result.wall_time_s:.2f}s tokens/s={result.tokens_per_s:.2f} stop={result.stop_reason} runtime={pair.runtime}"
     )
     if result.turns:

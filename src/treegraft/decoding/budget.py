@@ -34,7 +34,6 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
 from torch import nn
 
 from ..atomic import atomic_write_json, read_json

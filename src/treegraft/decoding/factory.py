@@ -11,7 +11,8 @@ from .hf_peers import HFAssistedDecoder, HFPromptLookupDecoder
 from .sampling import SamplingConfig
 from .tree_decoder import METHOD_PRESETS, TreeConfig, TreeGraftDecoder
 
-__all__ = ["METHODS", "LEARNED_METHODS", "LEARNED_ARTIFACTS", "build_decoder", "tree_config_from", "load_learned_scheduler",
+__all__ = ["METHODS", "LEARNED_METHODS", "LEARNED_ARTIFACTS", "build_decoder", "decoder_for", "tree_config_from",
+           "load_learned_scheduler",
            "parse_method"]
 
 # learned policies on the shared tree: the distilled scheduler and the value system itself
@@ -68,26 +69,36 @@ def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: fl
 
 def build_decoder(method: str, pair: LoadedPair, tree: dict | None = None, sampling: SamplingConfig | None = None,
                   scheduler=None, cache_dir: str | Path | None = None):
-    """A decoder with ``.generate(prompt_ids, max_new_tokens) -> GenerationResult`` for ``method``.
+    """A decoder with ``.generate(prompt_ids, max_new_tokens) -> GenerationResult`` for ``method`` on a
+    loaded pair (:func:`decoder_for` with the pair's models and tokenizer)."""
+    return decoder_for(method, pair.target, pair.middle, pair.tokenizer, tree, sampling, scheduler, cache_dir=cache_dir)
+
+
+def decoder_for(method: str, target, middle, tokenizer=None, tree: dict | None = None,
+                sampling: SamplingConfig | None = None, scheduler=None, eos_ids: set[int] | None = None,
+                cache_dir: str | Path | None = None):
+    """The one method dispatch: a decoder for ``method`` over ``target`` and ``middle`` (None where the
+    method never calls one).
 
     ``treegraft`` / ``direct_planner`` need ``scheduler`` (see :func:`load_learned_scheduler`); they
-    run the shared tree with that policy deciding every step. ``cache_dir``: where ``budget=auto``
-    caches the verification curve (default: :func:`treegraft.paths.default_cache_dir`).
+    run the shared tree with that policy deciding every step. ``eos_ids``: the ids that end generation
+    (default: the target's and the tokenizer's). ``cache_dir``: where ``budget=auto`` caches the
+    verification curve (default: :func:`treegraft.paths.default_cache_dir`).
     """
     sampling = sampling or SamplingConfig()
-    eos = eos_token_ids(pair.target, pair.tokenizer)
+    eos = eos_token_ids(target, tokenizer) if eos_ids is None else set(eos_ids)
     if method == "ar":
-        return AutoregressiveDecoder(pair.target, eos, sampling)
+        return AutoregressiveDecoder(target, eos, sampling)
     if method in LEARNED_METHODS:
         if scheduler is None:
             raise ValueError(f"method {method} needs its learned scheduler (load_learned_scheduler)")
-        return TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree), sampling, eos,
+        return TreeGraftDecoder(target, middle, tokenizer, tree_config_from("fixed", tree), sampling, eos,
                                 scheduler=scheduler, cache_dir=cache_dir)
     if method in METHOD_PRESETS:
-        return TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from(method, tree), sampling, eos,
+        return TreeGraftDecoder(target, middle, tokenizer, tree_config_from(method, tree), sampling, eos,
                                 cache_dir=cache_dir)
     if method == "hf_assisted":
-        return HFAssistedDecoder(pair.target, pair.middle, eos, sampling)
+        return HFAssistedDecoder(target, middle, eos, sampling)
     if method == "hf_prompt_lookup":
-        return HFPromptLookupDecoder(pair.target, eos, sampling)
+        return HFPromptLookupDecoder(target, eos, sampling)
     raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")

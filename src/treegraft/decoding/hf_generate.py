@@ -25,10 +25,9 @@ import copy
 import torch
 from torch import nn
 
-from .autoregressive import AutoregressiveDecoder
-from .factory import LEARNED_METHODS, load_learned_scheduler, tree_config_from
+from .factory import LEARNED_METHODS, decoder_for, load_learned_scheduler, tree_config_from
 from .sampling import SamplingConfig
-from .tree_decoder import TreeGraftDecoder
+from .tree_decoder import METHOD_PRESETS
 
 __all__ = ["treegraft_generate", "TreeGraftGenerateError"]
 
@@ -120,20 +119,18 @@ def treegraft_generate(model: nn.Module, inputs: torch.Tensor | None = None, *, 
     middle = assistant_model
     if middle is None and self_draft_layers is not None:
         middle = make_self_draft(model, int(self_draft_layers))
-    if method == "ar":
-        decoder = AutoregressiveDecoder(model, eos_ids, sampling)
-    else:
-        scheduler = None
-        if method in LEARNED_METHODS:
-            if scheduler_artifacts is None:
-                raise TreeGraftGenerateError(f"method {method} needs scheduler_artifacts=<the experiment's outputs folder>")
-            scheduler = load_learned_scheduler(method, scheduler_artifacts)
-        cfg = tree_config_from("fixed" if method in LEARNED_METHODS else method, tree)
-        if middle is None and (scheduler is not None or cfg.preset.schedule != "small"):
-            raise TreeGraftGenerateError(f"method {method} calls a middle drafter: pass assistant_model= or self_draft_layers=")
-        decoder = TreeGraftDecoder(model, middle, None, cfg, sampling, eos_ids, scheduler=scheduler)
-        if scheduler is not None:
-            decoder.warm_up(prompt, 4)  # the learned policy's runtime context
+    scheduler = None
+    if method in LEARNED_METHODS:
+        if scheduler_artifacts is None:
+            raise TreeGraftGenerateError(f"method {method} needs scheduler_artifacts=<the experiment's outputs folder>")
+        scheduler = load_learned_scheduler(method, scheduler_artifacts)
+    calls = method in LEARNED_METHODS or method == "hf_assisted" or (
+        method in METHOD_PRESETS and tree_config_from(method, tree).preset.schedule != "small")
+    if middle is None and calls:
+        raise TreeGraftGenerateError(f"method {method} calls a middle drafter: pass assistant_model= or self_draft_layers=")
+    decoder = decoder_for(method, model, middle, None, tree, sampling, scheduler, eos_ids)
+    if scheduler is not None:
+        decoder.warm_up(prompt, 4)  # the learned policy's runtime context
 
     on_tokens = None
     if streamer is not None:

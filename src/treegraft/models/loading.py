@@ -25,11 +25,12 @@ from torch import nn
 
 from ..paths import default_cache_dir, default_models_dir
 from .embedded import EMBEDDED_MODELS, int4_blocks, is_converted
-from .runtime import (RuntimeChoice, apply_runtime, check_runtime_name, choose_runtime, runtime_load_dtype,
-                      runtime_unavailable)
+from .runtime import (RuntimeChoice, apply_runtime, check_runtime_name, choose_runtime, effective_runtime,
+                      runtime_load_dtype, runtime_unavailable)
 from .tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer
 
 __all__ = [
+    "load_pair_from_settings",
     "PairSpec",
     "LoadedPair",
     "ModelLoadError",
@@ -291,6 +292,19 @@ def load_pair(
     stock = "bfloat16" if resolve_dtype(dtype) == torch.bfloat16 else "float32"
     return LoadedPair(spec=spec, target=target, middle=middle, tokenizer=tokenizer, runtime=runtime or stock,
                       middle_runtime=mid_runtime or stock)
+
+
+def load_pair_from_settings(spec: PairSpec, settings, device: str | torch.device | None = None, dtype=None,
+                            log=print) -> LoadedPair:
+    """The one way an entry point loads its pair: :func:`load_pair` with the entry point's settings
+    (any object with ``runtime``, ``middle_runtime`` and ``paths.models_dir`` / ``paths.cache_dir``, e.g. a
+    Hydra config); ``device`` / ``dtype`` default to ``settings.device`` / ``settings.dtype``. The older
+    ``dtype`` option wins over ``runtime`` where both are set (:func:`~treegraft.models.runtime.effective_runtime`)."""
+    device = settings.device if device is None else device
+    dtype = getattr(settings, "dtype", None) if dtype is None else dtype
+    return load_pair(spec, device=device, models_dir=settings.paths.models_dir,
+                     runtime=effective_runtime(settings.runtime, dtype), cache_dir=settings.paths.cache_dir, log=log,
+                     middle_runtime=settings.middle_runtime)
 
 
 def resolve_middle_runtime(middle_runtime: str | None, target_runtime: str | None,

@@ -237,15 +237,12 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     from tqdm.auto import tqdm
 
     from ..decoding.factory import tree_config_from
-    from ..models import load_pair
-    from ..models.runtime import effective_runtime
+    from ..models import load_pair_from_settings
     from .common import pair_spec, stage_prompts
 
     p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
-    pair = load_pair(pair_spec(pair_name), device=p.device, models_dir=cfg.paths.models_dir,
-                     runtime=effective_runtime(cfg.runtime, p.dtype), cache_dir=cfg.paths.cache_dir, log=console.print,
-                     middle_runtime=cfg.middle_runtime)
+    pair = load_pair_from_settings(pair_spec(pair_name), cfg, p.device, p.dtype, log=console.print)
     decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree),
                                cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True)
     budget = decoder.budget()

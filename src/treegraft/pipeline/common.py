@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
 
 import pandas as pd
 from hydra.utils import instantiate

@@ -33,8 +33,7 @@ from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, build_decoder
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..machine import cpu_info, cpu_line
-from ..models import load_model, load_pair, load_tokenizer
-from ..models.runtime import effective_runtime
+from ..models import load_model, load_pair_from_settings, load_tokenizer
 from ..stats import Interval
 from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
 from .common import fold_intervals, pair_spec, print_table, stage_prompts, stage_records
@@ -379,9 +378,7 @@ def _evaluate_prompts(cfg: DictConfig, progress=None) -> None:
         if not todo_benches:
             console.print(f"{pair_name}: every record is saved and up to date")
             continue
-        pair = load_pair(spec, device=p.device, models_dir=cfg.paths.models_dir,
-                         runtime=effective_runtime(cfg.runtime, p.dtype), cache_dir=cfg.paths.cache_dir,
-                         log=console.print, middle_runtime=cfg.middle_runtime)
+        pair = load_pair_from_settings(spec, cfg, p.device, p.dtype, log=console.print)
         units = {b: sum(q not in saved[b, m] for m in methods for q, _ in method_prompts(cfg, m, prompts[b]))
                  for b in todo_benches}
         cost = {b: units[b] * (1 + sum(len(ids) for _, ids in prompts[b]) / 1000) for b in todo_benches}
