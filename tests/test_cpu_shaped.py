@@ -76,7 +76,7 @@ def test_restricted_vocab_and_shapes_stay_lossless_under_sampling_rules(tiny_pai
     every emitted token stays inside the target's support (the distribution test lives in test_tree_decoder)."""
     tok = tiny_pair.tokenizer
     ids = tok("abab abab").input_ids
-    cfg = TreeConfig(method="all_mid", budget=12, shape="auto", draft_vocab=40)
+    cfg = TreeConfig.paper(method="all_mid", budget=12, shape="auto", draft_vocab=40)
     out = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, cfg, SamplingConfig(temperature=0.8, seed=1),
                            eos_ids=set(), cache_dir=tmp_path).generate(ids, 20)
     assert len(out.tokens) == 20
@@ -87,11 +87,11 @@ def test_all_small_has_no_middle_drafter_and_the_middle_prefill_is_lazy(tiny_pai
     ids = tok("hello world hello").input_ids
     small = build_decoder("all_small", tiny_pair, {"budget": 4}, cache_dir=tmp_path)
     assert small.middle is None
-    mid = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig(method="fixed", schedule=[0, 0, 0, 0, 0],
+    mid = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="fixed", schedule=[0, 0, 0, 0, 0],
                                                                             budget=4), eos_ids=set())
     mid.generate(ids, 3)
     assert mid.middle.calls == 0 and mid.middle.pending  # never called: the prompt was never encoded
-    eager = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig(method="fixed", schedule=[0] * 5,
+    eager = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="fixed", schedule=[0] * 5,
                                                                               budget=4), eos_ids=set(),
                              eager_middle_prefill=True)
     eager.generate(ids, 3)
@@ -114,10 +114,10 @@ def test_shape_auto_builds_trees_that_grow_with_the_budget(tiny_pair, tmp_path):
     ids = tok("abab abab abab ab").input_ids
     sizes = {}
     for budget in (2, 30):
-        cfg = TreeConfig(method="all_call", budget=budget, shape="auto")
+        cfg = TreeConfig.paper(method="all_call", budget=budget, shape="auto")
         res = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, cfg, eos_ids=set()).generate(ids, 12)
         sizes[budget] = max(t["tree_nodes"] for t in res.turns)
-    paper = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig(method="all_call", budget=30),
+    paper = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="all_call", budget=30),
                              eos_ids=set()).generate(ids, 12)
     assert sizes[2] < sizes[30] <= max(t["tree_nodes"] for t in paper.turns)
 
@@ -200,7 +200,7 @@ def test_budget_planner_follows_curve_and_acceptance():
 def test_budget_auto_plans_every_turn(tiny_pair, tmp_path):
     tok = tiny_pair.tokenizer
     ids = tok("abab abab abab ab").input_ids
-    dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.target, tok, TreeConfig(method="all_mid", budget="auto"),
+    dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.target, tok, TreeConfig.paper(method="all_mid", budget="auto"),
                            eos_ids=set(), cache_dir=tmp_path)
     res = dec.generate(ids, 40)
     assert (tmp_path / "verify_curves.json").is_file()

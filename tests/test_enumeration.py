@@ -17,7 +17,7 @@ ALL = sorted(schedule_key(s) for s in itertools.product((0, 1), repeat=5))
 
 
 def make(tiny_pair, middle, schedule=(1, 0, 1, 0, 1), budget=10):
-    cfg = TreeConfig(method="fixed", schedule=list(schedule), budget=budget, width=4, top_m=4)
+    cfg = TreeConfig.paper(method="fixed", schedule=list(schedule), budget=budget, width=4, top_m=4)
     return TreeGraftDecoder(tiny_pair.target, middle, tiny_pair.tokenizer, cfg, eos_ids={2})
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
+from treegraft.decoding.turn_stats import TurnStats
 from treegraft.scheduling import SIGNAL_NAMES, FixedScheduler, tree_signals
 from treegraft.tree import MIDDLE, SMALL, DraftTree, prune_to_budget
 
@@ -16,7 +17,7 @@ REPEATING = "abcabc abcabc abcabc abc"
 
 
 def empty_stats():
-    return {"small_s": 0.0, "middle_s": 0.0, "small_calls": 0, "middle_calls": 0, "middle_forward_s": 0.0}
+    return TurnStats()
 
 
 @pytest.mark.parametrize("schedule", list(itertools.product([0, 1], repeat=5)))
@@ -24,7 +25,7 @@ def test_greedy_equals_ar_for_every_schedule(tiny_pair, schedule):
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok(REPEATING).input_ids
     ref = AutoregressiveDecoder(target, {2}).generate(ids, 24).tokens
-    dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method="fixed", schedule=list(schedule), budget=24))
+    dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="fixed", schedule=list(schedule), budget=24))
     out = dec.generate(ids, 24)
     assert out.tokens == ref
     assert all(t["schedule"] == list(schedule) for t in out.turns)
@@ -35,7 +36,7 @@ def test_greedy_equals_ar_for_every_shared_method(tiny_pair, method):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     for middle in (target, tiny_pair.middle):
         ids = tok("hello hello hello world").input_ids
-        dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method=method, budget=30))
+        dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method=method, budget=30))
         assert dec.generate(ids, 32).tokens == AutoregressiveDecoder(target, {2}).generate(ids, 32).tokens
 
 
@@ -43,27 +44,26 @@ def grown_tree(decoder, tok, text=REPEATING):
     """A turn's tree after two small steps on a repetitive prompt (the n-gram drafter finds matches)."""
     ids = tok(text).input_ids
     decoder._prefill(ids)
-    decoder.middle.start_turn()
-    tree = DraftTree.with_root(ids[-1])
-    stats = empty_stats()
-    decoder._expand_small(tree, [0], 1, stats)
-    decoder._expand_small(tree, decoder._top_w(tree, tree.nodes_created_at(1)), 2, stats)
+    tree, build = decoder.start_tree(ids[-1])
+    stats, builder, plan = empty_stats(), decoder.builder, build.plan
+    builder.expand_small(tree, [0], 1, plan, stats)
+    builder.expand_small(tree, builder.top_w(tree, tree.nodes_created_at(1), plan.width), 2, plan, stats)
     assert len(tree) > 3, "the n-gram drafter should have proposed something on a repetitive prompt"
-    return tree, stats
+    return tree, build, stats
 
 
 @pytest.mark.parametrize("grafting", ["nondestructive", "destructive"])
 def test_grafting_invariants(tiny_pair, grafting):
     tok = tiny_pair.tokenizer
     dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok,
-                           TreeConfig(method="fixed", grafting=grafting, width=4, top_m=5))
-    tree, stats = grown_tree(dec, tok)
+                           TreeConfig.paper(method="fixed", grafting=grafting, width=4, top_m=5))
+    tree, build, stats = grown_tree(dec, tok)
     for step in (3, 4):
         alive_before = set(tree.alive_nodes())
         visited_before = {n for n in alive_before if tree.visited[n]}
         children_before = {n: set(tree.subtree(n)) - {n} for n in alive_before}
         n_before = len(tree)
-        dec._graft_middle(tree, step, stats)
+        dec.builder.graft(tree, build, step, stats)
         newly_visited = {n for n in range(n_before) if tree.visited[n]} - visited_before
         assert newly_visited and not (newly_visited & visited_before)  # the pool never holds visited nodes
         assert len(newly_visited) <= dec.cfg.width
@@ -96,16 +96,16 @@ def test_nondestructive_grafting_keeps_the_branch_the_target_accepts(tiny_pair, 
 
     accepted = {}
     for grafting in ("nondestructive", "destructive"):
-        dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method="fixed", schedule=[0, 0, 1, 0, 0],
+        dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="fixed", schedule=[0, 0, 1, 0, 0],
                                                                grafting=grafting, budget=63), eos_ids=set())
         monkeypatch.setattr(type(dec.ngram), "propose_kinds", oracle_propose)  # the small step's lookup
         monkeypatch.setattr(type(dec.ngram), "copy_chain_kinds", lambda self, path, max_len=None: [])
         dec._prefill(ids)
         dec.middle.reset(ids)
         _, stats = dec._turn(ids[-1], None)
-        accepted[grafting] = stats["accepted"]
+        accepted[grafting] = stats.accepted
     with torch.no_grad():
-        middle_top = middle(torch.tensor([ids])).logits[0, -1].topk(TreeConfig().top_m).indices.tolist()
+        middle_top = middle(torch.tensor([ids])).logits[0, -1].topk(TreeConfig.paper().top_m).indices.tolist()
     assert truth[0] not in middle_top  # the middle drafter would not propose the target's token at the root
     assert accepted["nondestructive"] >= 2
     assert accepted["destructive"] == 0
@@ -154,7 +154,7 @@ def test_scheduler_is_consulted_each_step_and_call_budget_applies(tiny_pair):
             seen.append((state.step, list(state.history), state.signals is not None))
             return 1
 
-    cfg = TreeConfig(method="fixed", max_calls_per_turn=2)
+    cfg = TreeConfig.paper(method="fixed", max_calls_per_turn=2)
     dec = TreeGraftDecoder(target, middle, tok, cfg, scheduler=Recorder([1] * 5))
     out = dec.generate(tok(REPEATING).input_ids, 4)
     assert seen[:5] == [(1, [], True), (2, [1], True), (3, [1, 1], True), (4, [1, 1, 0], True), (5, [1, 1, 0, 0], True)]
@@ -164,7 +164,7 @@ def test_scheduler_is_consulted_each_step_and_call_budget_applies(tiny_pair):
 def test_csd_drafts_a_chain_and_same_model_accepts_all(tiny_pair):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok(REPEATING).input_ids
-    out = TreeGraftDecoder(target, target, tok, TreeConfig(method="csd"), eos_ids=set()).generate(ids, 30)
+    out = TreeGraftDecoder(target, target, tok, TreeConfig.paper(method="csd"), eos_ids=set()).generate(ids, 30)
     assert out.tokens == AutoregressiveDecoder(target, set()).generate(ids, 30).tokens
     assert all(t["verified_nodes"] == 5 for t in out.turns)  # a chain of D nodes, nothing else
     assert sum(t["accepted"] == 5 for t in out.turns) >= len(out.turns) - 1
@@ -176,7 +176,7 @@ def kept_paths(decoder, ids, schedule):
     stats = empty_stats()
     tree = decoder.build_tree(ids[-1], schedule, stats)
     kept = prune_to_budget(tree, decoder.budget())
-    return {tuple(tree.path_tokens(n)): round(tree.cum[n], 4) for n in kept}, stats["middle_calls"]
+    return {tuple(tree.path_tokens(n)): round(tree.cum[n], 4) for n in kept}, stats.middle_calls
 
 
 @pytest.mark.parametrize("method", ["all_small", "all_mid", "fixed", "no_nondestructive", "no_expanded_selection", "csd"])
@@ -189,7 +189,7 @@ def test_skipping_steps_beyond_the_budget_keeps_the_same_verified_tree(tiny_pair
     for schedule in schedules:
         runs = {}
         for skip in (False, True):
-            cfg = TreeConfig(method=method, budget=budget, width=4, top_m=4, skip_beyond_budget=skip)
+            cfg = TreeConfig.paper(method=method, budget=budget, width=4, top_m=4, skip_beyond_budget=skip)
             dec = TreeGraftDecoder(target, tiny_pair.middle, tok, cfg)
             runs[skip] = kept_paths(dec, ids, list(schedule) if schedule else cfg.actions())
         assert runs[True][0] == runs[False][0], (schedule, runs)
@@ -205,10 +205,10 @@ def test_turn_and_planner_signals_follow_the_decoding(tiny_pair, tmp_path, monke
     positions; expected_al is the budget planner's value for the tree at that step. The verification
     curve is a fixed, nearly flat one: measured on a loaded machine (CI's two workers) it could make
     every node look too dear to verify, and expected_al 0 everywhere."""
-    import treegraft.decoding.tree_decoder as tree_decoder
+    import treegraft.decoding.engine as engine
 
     flat = {1: 0.010, 2: 0.0101, 4: 0.0102, 8: 0.0104, 16: 0.011, 32: 0.012, 64: 0.014}
-    monkeypatch.setattr(tree_decoder, "cached_verify_curve", lambda *args, **kwargs: dict(flat))
+    monkeypatch.setattr(engine, "cached_verify_curve", lambda *args, **kwargs: dict(flat))
     tok = tiny_pair.tokenizer
     seen = []
 
@@ -219,7 +219,7 @@ def test_turn_and_planner_signals_follow_the_decoding(tiny_pair, tmp_path, monke
             seen.append(dict(state.signals))
             return 0
 
-    dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig(method="fixed", budget="auto"),
+    dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="fixed", budget="auto"),
                            scheduler=Recorder([0] * 5), cache_dir=tmp_path)
     ids = tok("abab abab abab ab").input_ids
     result = dec.generate(ids, 12)
@@ -248,7 +248,7 @@ def test_warm_up_times_calls_without_the_prompt_catch_up(tiny_pair, monkeypatch)
         return forward(self, tree, new_nodes)
 
     monkeypatch.setattr(MiddleDrafter, "_forward", spy)
-    dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method="fixed", budget=8))
+    dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="fixed", budget=8))
     t_tgt, t_mid = dec.warm_up(ids, 8)
     assert t_tgt > 0 and t_mid > 0
     assert pending_at_call and max(pending_at_call) < 16 < len(ids)  # only accepted tokens, never the prompt

@@ -30,7 +30,7 @@ def test_greedy_equals_ar_on_tiny_pair(tiny_pair, method, middle_kind, budget):
     middle = target if middle_kind == "same" else tiny_pair.middle
     for text in PROMPTS:
         ids = tok(text).input_ids
-        result = TreeGraftDecoder(target, middle, tok, TreeConfig(method=method, budget=budget)).generate(ids, 48)
+        result = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method=method, budget=budget)).generate(ids, 48)
         assert result.tokens == ar_tokens(target, ids, 48), text
         assert all(t["verified_nodes"] <= budget for t in result.turns)
         if budget == 0:
@@ -40,7 +40,7 @@ def test_greedy_equals_ar_on_tiny_pair(tiny_pair, method, middle_kind, budget):
 def test_same_model_middle_accepts_whole_chains(tiny_pair):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok(PROMPTS[0]).input_ids
-    cfg = TreeConfig(method="all_mid", budget=600, node_cap=2000)
+    cfg = TreeConfig.paper(method="all_mid", budget=600, node_cap=2000)
     result = TreeGraftDecoder(target, target, tok, cfg).generate(ids, 60)
     assert result.tokens == ar_tokens(target, ids, 60)
     accepted = [t["accepted"] for t in result.turns]
@@ -53,18 +53,18 @@ def test_stops_at_eos_and_never_past_max_new_tokens(tiny_pair):
     free = ar_tokens(target, ids, 30, eos=())
     stop_id = free[7]
     for method in ("all_small", "all_mid"):
-        dec = TreeGraftDecoder(target, target, tok, TreeConfig(method=method), eos_ids={stop_id})
+        dec = TreeGraftDecoder(target, target, tok, TreeConfig.paper(method=method), eos_ids={stop_id})
         out = dec.generate(ids, 30)
         assert out.tokens == free[: free.index(stop_id) + 1] and out.stop_reason == "eos"
         for n in (1, 5, 13):
-            dec = TreeGraftDecoder(target, target, tok, TreeConfig(method=method), eos_ids=set())
+            dec = TreeGraftDecoder(target, target, tok, TreeConfig.paper(method=method), eos_ids=set())
             assert dec.generate(ids, n).tokens == free[:n]
 
 
 def test_kv_caches_equal_a_fresh_forward_after_many_turns(tiny_pair):
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok(PROMPTS[1]).input_ids
-    dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method="all_mid", budget=20), eos_ids=set())
+    dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="all_mid", budget=20), eos_ids=set())
     out = dec.generate(ids, 40)
     assert len(out.turns) > 5
     context = ids + out.tokens[:-1]  # everything emitted except the last token (the next root)
@@ -88,7 +88,7 @@ def first_token_samples(target, middle, prompt_ids, n, temperature=1.0):
     samples = []
     for seed in range(n):
         dec = TreeGraftDecoder(
-            target, middle, None, TreeConfig(method="all_mid", depth=1, top_m=6),  # the first token only needs depth 1
+            target, middle, None, TreeConfig.paper(method="all_mid", depth=1, top_m=6),  # the first token only needs depth 1
             sampling=SamplingConfig(temperature=temperature, seed=seed), eos_ids=set(),
         )
         samples.append(dec.generate(prompt_ids, 1).tokens[0])
@@ -148,7 +148,7 @@ def test_sampling_with_top_p_stays_in_the_nucleus(tiny_pair):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok("nucleus").input_ids
     cfg = SamplingConfig(temperature=0.9, top_p=0.5, seed=4)
-    dec = TreeGraftDecoder(target, target, tok, TreeConfig(method="all_mid"), sampling=cfg, eos_ids=set())
+    dec = TreeGraftDecoder(target, target, tok, TreeConfig.paper(method="all_mid"), sampling=cfg, eos_ids=set())
     out = dec.generate(ids, 20).tokens
     context = list(ids)
     with torch.no_grad():
@@ -169,5 +169,5 @@ def test_greedy_equals_ar_on_smollm2_self_pair(smollm2_self_pair, benchmark):
     eos = {tok.eos_token_id}
     ref = AutoregressiveDecoder(pair.target, eos).generate(ids, 24).tokens
     for method in ("all_small", "all_mid"):
-        dec = TreeGraftDecoder(pair.target, pair.middle, tok, TreeConfig(method=method, budget=15), eos_ids=eos)
+        dec = TreeGraftDecoder(pair.target, pair.middle, tok, TreeConfig.paper(method=method, budget=15), eos_ids=eos)
         assert dec.generate(ids, 24).tokens == ref, method

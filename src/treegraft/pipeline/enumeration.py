@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decoding.tree_decoder import BuildState, TreeGraftDecoder
-from ..model_io import truncate_cache
+from ..decoding.builders import BuildState
+from ..decoding.tree_decoder import TreeGraftDecoder
+from ..decoding.turn_stats import TurnStats
 from ..tree import DraftTree, prune_to_budget
 from ..scheduling.policy import StepState
 
@@ -66,17 +67,13 @@ class TurnEnumeration:
         return (o.accepted + 1) / o.latency_s
 
 
-def _zero_stats() -> dict:
-    return {"small_s": 0.0, "middle_s": 0.0, "verify_s": 0.0, "small_calls": 0, "middle_calls": 0,
-            "target_forward_s": 0.0, "middle_forward_s": 0.0}
-
-
 @torch.inference_mode()
 def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = True) -> TurnEnumeration:
     """Enumerate all 2^D schedules of the turn whose root is ``root``, leaving the decoder's state as it was.
 
-    The decoder must be a shared-tree method (``fixed`` or an ablation) with a middle drafter; its
-    caches are restored afterwards, so the caller continues decoding with an ordinary turn.
+    The decoder must be a shared-tree method (``fixed`` or an ablation) with a middle drafter. It works
+    through the engine seam only: the target rolls every verified tree back (``engine.rollback``) and the
+    middle drafter restores a snapshot at every branch, so the caller continues with an ordinary turn.
     """
     if not decoder.cfg.preset.shared or decoder.middle is None:
         raise ValueError(f"schedule enumeration needs a shared-tree method with a middle drafter, got {decoder.cfg.method}")
@@ -86,7 +83,7 @@ def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = Tr
     t_start = time.perf_counter()
     tree, build = decoder.start_tree(root)
     base = mid.snapshot()
-    context_len = decoder.cache.get_seq_length()
+    context_len = decoder.engine.context_len()
     verified: dict[tuple, tuple[int, float, int]] = {}
     if not decoder.sampling.greedy:
         raise ValueError("schedule enumeration labels turns by greedy acceptance; use temperature 0")
@@ -99,10 +96,10 @@ def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = Tr
             # pruned trees coincide (common when B_ver is small) share one verification
             signature = tuple(sorted(tuple(tree.path_tokens(n)) for n in kept))
             if signature not in verified:
-                stats = _zero_stats()
+                stats = TurnStats()
                 inputs, acc = decoder.verify_tree(tree, stats)
-                truncate_cache(decoder.cache, context_len)
-                verified[signature] = (acc.accepted, stats["verify_s"], inputs.size - 1)
+                decoder.engine.rollback(context_len)
+                verified[signature] = (acc.accepted, stats.verify_s, inputs.size - 1)
                 result.verifications += 1
             accepted, verify_s, n_verified = verified[signature]
             result.outcomes[prefix] = ScheduleOutcome(
@@ -124,19 +121,19 @@ def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = Tr
             mid.restore(snap)
             branch_tree = tree.copy() if action == 0 else tree  # the call branch reuses the original
             branch_build = build.copy() if action == 0 else build
-            stats = _zero_stats()
+            stats = TurnStats()
             tokens_before = mid.tokens_encoded
             t0 = time.perf_counter()
             decoder.apply_step(branch_tree, branch_build, step, action, stats)
             elapsed = time.perf_counter() - t0
             result.steps_run += 1
             child = {
-                "small_s": spent["small_s"] + stats["small_s"],
-                "middle_s": spent["middle_s"] + stats["middle_s"],
+                "small_s": spent["small_s"] + stats.small_s,
+                "middle_s": spent["middle_s"] + stats.middle_s,
                 # step time outside both drafters (selection, bookkeeping)
-                "other_s": spent["other_s"] + max(0.0, elapsed - stats["small_s"] - stats["middle_s"]),
-                "small_calls": spent["small_calls"] + stats["small_calls"],
-                "middle_calls": spent["middle_calls"] + stats["middle_calls"],
+                "other_s": spent["other_s"] + max(0.0, elapsed - stats.small_s - stats.middle_s),
+                "small_calls": spent["small_calls"] + stats.small_calls,
+                "middle_calls": spent["middle_calls"] + stats.middle_calls,
                 "middle_tokens": spent["middle_tokens"] + mid.tokens_encoded - tokens_before,
             }
             walk(branch_tree, branch_build, prefix + str(action), child, mid.snapshot())

@@ -1,0 +1,167 @@
+"""What every tree builder shares: the turn's plan, the construction state and the n-gram (small) step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ...drafters.ngram import NGramDrafter
+from ...tree import MIDDLE, SMALL, DraftTree
+from ..tree_config import TreeConfig
+from ..turn_stats import TurnStats
+
+__all__ = ["TurnPlan", "BuildState", "TreeBuilder"]
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """What a turn's construction plans for, decided once before its first step.
+
+    budget: the planning B_ver (the configured one, or ``budget=auto``'s running estimate).
+    width / top_m: W nodes expanded per step, m children each. scope: how many nodes (in pruning order)
+    a shared middle step rescores, None = the whole tree. horizon: a step whose every new node would sit
+    at or deeper than this is left out (``skip_beyond_budget``), None = never.
+    """
+
+    budget: int
+    width: int
+    top_m: int
+    scope: int | None
+    horizon: int | None
+
+
+@dataclass
+class BuildState:
+    """Per-turn construction state next to the tree (copy both to branch a construction)."""
+
+    plan: TurnPlan
+    done: list[int] = field(default_factory=list)  # actions taken so far
+    calls: int = 0  # middle-drafter calls so far
+    rescored_from: int = 1  # nodes with id >= this were added since the last middle rescoring
+
+    def copy(self) -> "BuildState":
+        return BuildState(self.plan, list(self.done), self.calls, self.rescored_from)
+
+
+class TreeBuilder:
+    """Builds one turn's draft tree step by step; subclasses say what a middle-drafter step does.
+
+    ``start`` gives the root-only tree and its state, ``apply_step`` runs step ``t`` with an action
+    (0 = n-gram drafter, 1 = middle drafter) in place, ``build`` runs all D steps with the actions a
+    ``decide(tree, state, step)`` callback returns. The n-gram step is the same everywhere: the top W of
+    the nodes the previous step created, each given up to m children (the root also a copy chain).
+    """
+
+    def __init__(self, cfg: TreeConfig, ngram: NGramDrafter, middle=None):
+        self.cfg = cfg
+        self.preset = cfg.preset
+        self.ngram = ngram
+        self.middle = middle
+        self.small_kinds: dict[int, tuple] = {}  # this turn's n-gram nodes -> their kind (the drafter learns rates)
+
+    def start(self, root_token: int, plan: TurnPlan) -> tuple[DraftTree, BuildState]:
+        """A turn's root-only tree and its construction state (the middle drafter starts a new turn)."""
+        if self.middle is not None:
+            self.middle.start_turn()
+        self.small_kinds = {}
+        return DraftTree.with_root(root_token), BuildState(plan)
+
+    def build(self, root_token: int, plan: TurnPlan, decide: Callable[[DraftTree, BuildState, int], int],
+              stats: TurnStats) -> DraftTree:
+        tree, build = self.start(root_token, plan)
+        for step in range(1, self.cfg.depth + 1):
+            if len(tree) >= self.cfg.node_cap:
+                break
+            self.apply_step(tree, build, step, int(decide(tree, build, step)), stats)
+        stats.schedule = list(build.done)
+        return tree
+
+    def apply_step(self, tree: DraftTree, build: BuildState, step: int, action: int, stats: TurnStats) -> None:
+        if len(tree) >= self.cfg.node_cap:
+            build.done.append(SMALL)
+            return
+        if action == MIDDLE and self.middle is None:
+            raise ValueError("the scheduler chose a middle-drafter call, but there is no middle drafter")
+        if action == MIDDLE and self.cfg.max_calls_per_turn is not None and build.calls >= self.cfg.max_calls_per_turn:
+            action = SMALL
+        build.done.append(action)
+        if action == MIDDLE:
+            self.middle_step(tree, build, step, stats)
+            return
+        selected = self.expandable(tree, build, step, stats)
+        if selected:
+            self.expand_small(tree, selected, step, build.plan, stats)
+
+    def middle_step(self, tree: DraftTree, build: BuildState, step: int, stats: TurnStats) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared pieces
+    @staticmethod
+    def newest_pool(tree: DraftTree, step: int) -> list[int]:
+        """The nodes created at the previous step (the root at step 1); empty if that step added none,
+        in which case the step adds nothing (a later shared middle step can still graft anywhere)."""
+        return [0] if step == 1 else tree.nodes_created_at(step - 1)
+
+    @staticmethod
+    def top_w(tree: DraftTree, pool: list[int], width: int) -> list[int]:
+        """The W best pool nodes by cum (ties: shallower, then earlier created)."""
+        return sorted(pool, key=lambda n: (-tree.cum[n], tree.depth[n], n))[:width]
+
+    def expandable(self, tree: DraftTree, build: BuildState, step: int, stats: TurnStats) -> list[int]:
+        """The nodes a newest-pool step expands: the top W of the previous step's nodes, or none when
+        every child would sit deeper than the horizon (the step is then counted as skipped)."""
+        pool = self.newest_pool(tree, step)
+        if not pool:
+            return []
+        selected = self.top_w(tree, pool, build.plan.width)
+        horizon = build.plan.horizon
+        if horizon is not None and all(tree.depth[n] >= horizon for n in selected):
+            stats.skipped_steps += 1
+            return []
+        return selected
+
+    def expand_small(self, tree: DraftTree, nodes: list[int], step: int, plan: TurnPlan, stats: TurnStats) -> None:
+        start = time.perf_counter()
+        cap = self.cfg.node_cap
+        kinds = self.small_kinds
+        if nodes == [0] and self.cfg.ngram.copy_len:  # a copy chain under the root, before its other children
+            parent = 0
+            for token, score, kind in self.ngram.copy_chain_kinds([]):
+                if len(tree) >= cap:
+                    break
+                parent = tree.add_child(parent, token, score, SMALL, step)
+                kinds.setdefault(parent, kind)
+        for node in nodes:
+            children, _ = self.ngram.propose_kinds(tree.path_tokens(node), plan.top_m)
+            for token, score, kind in children:
+                if len(tree) >= cap:
+                    break
+                kinds.setdefault(tree.add_child(node, token, score, SMALL, step), kind)
+        elapsed = time.perf_counter() - start
+        stats.small_s += elapsed
+        stats.small_propose_s += elapsed
+        stats.small_calls += len(nodes)
+
+    def ngram_outcomes(self, tree: DraftTree, kept: set[int], path_nodes: list[int], emitted: list[int],
+                       greedy: bool) -> list[tuple[tuple, bool]]:
+        """(kind, accepted) of every n-gram child whose parent was accepted (the root included) and whose
+        own outcome is known: verified, or (greedy) within the emitted tokens."""
+        on_path = set(path_nodes)
+        accepted = set(path_nodes[1:])
+        out = []
+        for node, kind in self.small_kinds.items():
+            if tree.parent[node] not in on_path or not tree.alive[node]:
+                continue
+            if node in kept:
+                out.append((kind, node in accepted))
+            elif greedy and tree.depth[node] <= len(emitted):
+                out.append((kind, tree.token[node] == emitted[tree.depth[node] - 1]))
+        return out
+
+    def encode_middle(self, tree: DraftTree, nodes: list[int], stats: TurnStats,
+                      need_logprobs: list[int] | None = None) -> None:
+        """The middle drafter encodes ``nodes``; its forward time goes to ``stats``."""
+        before = self.middle.forward_s
+        self.middle.encode(tree, nodes, need_logprobs=need_logprobs)
+        stats.middle_forward_s += self.middle.forward_s - before

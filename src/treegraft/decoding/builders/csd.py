@@ -1,0 +1,65 @@
+"""A Cascade-Speculative-Drafting-style chain: the middle drafter drafts D tokens, itself sped up by the
+n-gram drafter's proposals, and the target verifies the chain."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ...tree import MIDDLE, SMALL, DraftTree
+from ..turn_stats import TurnStats
+from .base import BuildState, TreeBuilder, TurnPlan
+
+__all__ = ["CascadeChainBuilder"]
+
+
+class CascadeChainBuilder(TreeBuilder):
+    """Each round the n-gram drafter proposes a greedy chain below the current end; one middle forward
+    scores it; the middle drafter keeps the longest prefix equal to its own argmax choices and adds its
+    argmax after it (a lossless greedy cascade at the drafting level). No schedule: every step is the
+    middle drafter's."""
+
+    def build(self, root_token: int, plan: TurnPlan, decide: Callable[[DraftTree, BuildState, int], int],
+              stats: TurnStats) -> DraftTree:
+        tree, _ = self.start(root_token, plan)
+        mid = self.middle
+        depth = self.cfg.depth
+        if plan.horizon is not None:
+            depth = min(depth, plan.horizon)  # chain tokens past B_ver would be pruned anyway
+        end = 0
+        while tree.depth[end] < depth:
+            t0 = time.perf_counter()
+            path = tree.path_tokens(end)
+            proposal: list[tuple[int, float]] = []
+            for _ in range(depth - tree.depth[end] - 1):
+                children, _ = self.ngram.propose(path + [t for t, _ in proposal], 1)
+                if not children:
+                    break
+                proposal.append(children[0])
+            chain, parent = [], end
+            for token, score in proposal:
+                parent = tree.add_child(parent, token, score, SMALL, tree.depth[parent] + 1)
+                chain.append(parent)
+            stats.small_s += time.perf_counter() - t0
+            stats.small_calls += len(proposal)
+            t1 = time.perf_counter()
+            self.encode_middle(tree, [end] + chain, stats)
+            stats.middle_calls += 1
+            cur = end
+            for node in chain:
+                logp = mid.logprobs[cur]
+                if logp.argmax() != tree.token[node]:
+                    break
+                tree.edge[node] = logp.score(tree.token[node])
+                tree.cum[node] = tree.cum[cur] + tree.edge[node]
+                cur = node
+            tree.remove_subtrees_below(cur)  # the middle drafter's rejection of the rest
+            logp = mid.logprobs[cur]
+            best = logp.argmax()
+            end = tree.add_child(cur, best, logp.score(best), MIDDLE, tree.depth[cur] + 1)
+            stats.middle_s += time.perf_counter() - t1
+        stats.schedule = [MIDDLE] * depth
+        return tree
+
+    def apply_step(self, tree, build, step, action, stats) -> None:
+        raise ValueError("a cascade chain has no schedule to enumerate: it is built whole (CascadeChainBuilder.build)")

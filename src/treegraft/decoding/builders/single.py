@@ -1,0 +1,36 @@
+"""Single-drafter construction (the All-Small and All-Mid endpoints).
+
+Step 1 expands the root; step t > 1 the top W by path score of the nodes step t-1 created, each given
+its drafter's top m tokens as children with ``cum = cum(parent) + log q(token)``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ...tree import MIDDLE, DraftTree
+from ..turn_stats import TurnStats
+from .base import BuildState, TreeBuilder
+
+__all__ = ["SingleDrafterBuilder"]
+
+
+class SingleDrafterBuilder(TreeBuilder):
+    """A middle step expands the newest nodes with the middle drafter, as the n-gram step does with its own."""
+
+    def middle_step(self, tree: DraftTree, build: BuildState, step: int, stats: TurnStats) -> None:
+        selected = self.expandable(tree, build, step, stats)
+        if not selected:
+            return
+        start = time.perf_counter()
+        self.encode_middle(tree, selected, stats)
+        m, cap = build.plan.top_m, self.cfg.node_cap
+        for node in selected:
+            lp, ids = self.middle.logprobs[node].topk(m)
+            for token, score in zip(ids, lp):
+                if len(tree) >= cap:
+                    break
+                tree.add_child(node, token, score, MIDDLE, step)
+        stats.middle_s += time.perf_counter() - start
+        stats.middle_calls += 1
+        build.calls += 1
