@@ -43,7 +43,7 @@ def check_config_choices(argv: list[str] | None = None, conf_dir=CONF_DIR) -> No
 
 # groups whose settings are a dataclass's fields (every option names them all): a dotted override of
 # a setting none of them has is a typo, which the library would otherwise see only as an unknown key
-SETTING_GROUPS = ("tree",)
+SETTING_GROUPS = ("tree", "method")
 
 
 def _check_setting(key: str, conf_dir) -> None:
