@@ -58,7 +58,7 @@ def test_every_schedule_once_and_each_equals_a_fresh_turn(tiny_pair, middle_kind
         assert fresh_root == root
         _, stats = fresh_turn(fresh, fresh_root)
         assert (out.accepted, out.tree_nodes, out.verified_nodes, out.middle_calls) == (
-            stats["accepted"], stats["tree_nodes"], stats["verified_nodes"], stats["middle_calls"]), schedule
+            stats.accepted, stats.tree_nodes, stats.verified_nodes, stats.middle_calls), schedule
         assert out.latency_s > 0
         accepted.add(out.accepted)
     if middle_kind == "same":

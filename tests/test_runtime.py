@@ -531,3 +531,35 @@ def test_a_kernel_that_does_not_build_is_loud_when_strict(monkeypatch):
     monkeypatch.setenv("TREEGRAFT_STRICT_KERNELS", "0")
     with pytest.warns(UserWarning, match="did not build"):
         assert build_kernel(broken) is None  # lenient: a user's run falls back with one warning line
+
+
+@pytest.mark.parametrize("probe, loaded", [(0, False), (4, True)])
+def test_choose_runtime_probes_int4_before_loading_it(tmp_path, monkeypatch, probe, loaded):
+    import treegraft.models.runtime.choice as choice
+
+    shapes = []
+    monkeypatch.setattr(choice, "int4_crossover_of_shape", lambda out, inp: shapes.append((out, inp)) or probe)
+    loads = []
+
+    def load(runtime):
+        loads.append(runtime)
+        return apply_runtime(build_tiny_model(0), runtime)
+
+    model = build_tiny_model(0)
+    result = choose_runtime(load, "tiny", candidates=("float32", "int4"), cache_file=None, sizes=(1,), context=16,
+                            log=None, int4_exact=True)
+    assert shapes == [choice.largest_linear_shape(model)]  # the largest body linear of the first candidate
+    assert ("int4" in loads) == loaded
+    if not loaded:
+        assert result.skipped["int4"] == choice.INT4_SLOWER and "int4" not in result.curves
+
+
+def test_int4_crossover_of_shape_measures_a_stand_in(monkeypatch):
+    import treegraft.models.runtime.choice as choice
+
+    assert choice.int4_crossover_of_shape(48, 33) == 1  # an unsupported shape: the real model decides
+    measured = []
+    monkeypatch.setattr(choice, "int4_crossover", lambda linear: measured.append(linear) or 7)
+    assert choice.int4_crossover_of_shape(64, 96) == 7
+    (linear,) = measured
+    assert isinstance(linear, Int4Linear) and (linear.out_features, linear.in_features) == (64, 96)

@@ -13,9 +13,9 @@ from torch import nn
 from ...atomic import atomic_write_json, read_json
 from ...machine import cpu_info, cpu_line
 from .kernels import runtime_cache_key
-from .linears import Int4Linear
+from .linears import Int4Linear, int4_supported_shape, quantize_int4_rtn
 from .names import RUNTIMES, runtime_unavailable
-from .timing import curve_at, forward_curve
+from .timing import curve_at, forward_curve, int4_crossover
 
 __all__ = ["pick_runtime", "RuntimeChoice", "DEFAULT_CANDIDATES", "float32_redundant", "choose_runtime"]
 
@@ -64,6 +64,29 @@ def float32_redundant(runtime: str, candidates: tuple[str, ...], device: str | t
             and runtime_unavailable("bfloat16_packed", device) is None)
 
 
+INT4_SLOWER = "the int4 kernel is slower than the dense one at every row count on this CPU"
+
+
+def largest_linear_shape(model: nn.Module) -> tuple[int, int] | None:
+    """``(out, in)`` of the largest linear but the LM head, whatever runtime swapped it."""
+    head = model.get_output_embeddings()
+    shapes = [(m.out_features, m.in_features) for m in model.modules()
+              if m is not head and hasattr(m, "out_features") and hasattr(m, "in_features")]
+    return max(shapes, key=lambda s: s[0] * s[1]) if shapes else None
+
+
+def int4_crossover_of_shape(out_features: int, in_features: int) -> int:
+    """:func:`int4_crossover` on a random weight of this shape: the int4 kernel's speed depends on the
+    shape, not the values, so this tells whether a model's int4 runtime can win before loading it (the
+    int4 candidate holds a float32 model, its int4 blocks and a dense packed fallback at once: on a
+    1.5B model that candidate set the memory peak of ``runtime=auto``, 19.4 GB, while its kernel lost
+    at every row count)."""
+    if not int4_supported_shape(out_features, in_features):
+        return 1  # cannot tell here: measure the real model
+    weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) * 0.02
+    return int4_crossover(Int4Linear(quantize_int4_rtn(weight)))
+
+
 def choose_runtime(
     load: Callable[[str], nn.Module],
     model_id: str,
@@ -101,20 +124,24 @@ def choose_runtime(
                              entry.get("skipped", {}), cached=True, cpu=entry.get("cpu", cpu_info()))
     curves: dict[str, dict[int, float]] = {}
     skipped: dict[str, str] = {}
+    largest = None  # (out, in) of the largest body linear, once a candidate was loaded
     for runtime in candidates:
         reason = runtime_unavailable(runtime, device)
         if runtime == "int4" and not reason and not int4_exact:
             reason = "the model has no int4 blocks of its own (re-quantizing would change its numerics)"
         if not reason and not float32_where_bf16 and float32_redundant(runtime, candidates, device):
             reason = FLOAT32_REDUNDANT
+        if not reason and runtime == "int4" and largest is not None and int4_crossover_of_shape(*largest) < 1:
+            reason = INT4_SLOWER  # probed on a stand-in of the model's largest linear: the model is never loaded
         if reason:
             skipped[runtime] = reason
             continue
         model = load(runtime)
+        largest = largest or largest_linear_shape(model)
         if runtime == "int4":
             rows = [m.max_rows for m in model.modules() if isinstance(m, Int4Linear)]
             if not rows or max(rows) < 1:
-                skipped[runtime] = "the int4 kernel is slower than the dense one at every row count on this CPU"
+                skipped[runtime] = INT4_SLOWER
                 del model
                 gc.collect()
                 continue

@@ -79,7 +79,7 @@ def forward_curve(model: nn.Module, sizes=(1, 2, 4, 8, 16), context: int = 256, 
                   seed: int = 0) -> dict[int, float]:
     """Median seconds of a forward over ``n`` new tokens (chain mask) on a ``context``-token cache plus
     the LM head on one row, for each n in ``sizes`` (the shape of a tree verification)."""
-    from ..model_io import forward_hidden, lm_logits, new_cache, truncate_cache
+    from ...model_io import forward_hidden, lm_logits, new_cache, truncate_cache
 
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
