@@ -563,3 +563,18 @@ def test_int4_crossover_of_shape_measures_a_stand_in(monkeypatch):
     assert choice.int4_crossover_of_shape(64, 96) == 7
     (linear,) = measured
     assert isinstance(linear, Int4Linear) and (linear.out_features, linear.in_features) == (64, 96)
+
+
+def test_runtime_auto_hands_each_candidates_memory_back(monkeypatch):
+    import treegraft.models.runtime.choice as choice
+    import treegraft.models.runtime.memory as memory
+
+    trims = []
+    monkeypatch.setattr(memory, "_libc_malloc_trim", lambda: (lambda pad: trims.append(pad)))
+    memory.return_freed_memory()
+    assert trims == [0]  # glibc's malloc_trim(0): every free page of the heap
+    calls = []
+    monkeypatch.setattr(choice, "return_freed_memory", lambda: calls.append(1))
+    choose_runtime(lambda rt: apply_runtime(build_tiny_model(0), rt), "tiny", candidates=("float32", "float32_packed"),
+                   cache_file=None, sizes=(1,), context=16, log=None)
+    assert len(calls) == 2  # after each measured candidate, before the next one loads

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from typing import Mapping
 
 import torch
@@ -10,7 +9,7 @@ from torch import nn
 
 from .kernels import avx512_kernels
 from .linears import Int4Block, Int4Linear, PackedLinear, RowInt8Linear, int4_supported_shape, quantize_int4_rtn
-from .memory import release_file_mappings
+from .memory import release_file_mappings, return_freed_memory
 from .names import RuntimeUnavailable, runtime_unavailable
 from .timing import bf16_crossover, int4_crossover
 
@@ -100,6 +99,6 @@ def apply_runtime(
     model.treegraft_runtime = runtime
     if runtime != "float32":  # float32 reads every mapped page itself; the others packed most of them away
         release_file_mappings(model)
-    gc.collect()
+    return_freed_memory()  # the float32 originals' heap pages, where they were not mapped
     return model
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -14,6 +13,7 @@ from ...atomic import atomic_write_json, read_json
 from ...machine import cpu_info, cpu_line
 from .kernels import runtime_cache_key
 from .linears import Int4Linear, int4_supported_shape, quantize_int4_rtn
+from .memory import return_freed_memory
 from .names import RUNTIMES, runtime_unavailable
 from .timing import curve_at, forward_curve, int4_crossover
 
@@ -143,11 +143,11 @@ def choose_runtime(
             if not rows or max(rows) < 1:
                 skipped[runtime] = INT4_SLOWER
                 del model
-                gc.collect()
+                return_freed_memory()
                 continue
         curves[runtime] = forward_curve(model, sizes=sizes, context=context, repeats=2)
         del model
-        gc.collect()
+        return_freed_memory()
     choice = RuntimeChoice(pick_runtime(curves), curves, skipped)
     if cache_file:
         cache = read_json(cache_file, {})

@@ -1,13 +1,18 @@
-"""Memory: closing a checkpoint's file mapping once its weights are packed away."""
+"""Memory: closing a checkpoint's file mapping once its weights are packed away, and handing freed heap
+back to the system."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import gc
 from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["release_file_mappings"]
+__all__ = ["release_file_mappings", "return_freed_memory"]
 
 
 def _file_mapped_ranges() -> list[tuple[int, int]]:
@@ -67,3 +72,23 @@ def release_file_mappings(model: nn.Module) -> int:
                     setattr(module, name, copy_of(value))
     return sum(t.untyped_storage().nbytes() for t in copies.values())
 
+
+
+@functools.cache
+def _libc_malloc_trim():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+def return_freed_memory() -> None:
+    """Collect garbage and give the heap's free pages back to the system (glibc ``malloc_trim``).
+
+    glibc keeps the pages of freed tensors in its arenas: after ``runtime=auto`` measured and dropped a
+    1.5B candidate the process still held 7.1 GB it no longer used (0.5 GB after a trim), and the pair
+    loaded next stacked its own peak on top of it."""
+    gc.collect()
+    trim = _libc_malloc_trim()
+    if trim is not None:
+        trim(0)
