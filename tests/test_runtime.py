@@ -286,9 +286,9 @@ def test_small_gemm_kernel_equals_linear_for_every_row_count():
 
 def test_packed_linear_without_the_kernel_uses_mkl_and_onednn(monkeypatch):
     import treegraft.models.runtime as rt
-    import treegraft.models.runtime.linears as linears
+    import treegraft.models.runtime.kernels as kernels
 
-    monkeypatch.setattr(linears, "small_gemm", lambda: None)
+    monkeypatch.setattr(kernels, "small_gemm", lambda: None)
     lin = _linear(64, 48, True)
     packed = rt.PackedLinear.from_linear(lin)
     assert packed.small is None

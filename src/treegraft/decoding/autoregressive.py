@@ -85,12 +85,14 @@ def context_window(model: nn.Module) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
-def prepare_prompt(prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, model: nn.Module) -> list[int]:
-    """The prompt as a list of ints, checked against ``model``'s context window (:class:`PromptError`)."""
+def prepare_prompt(prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, model: nn.Module | None,
+                   window: int | None = None) -> list[int]:
+    """The prompt as a list of ints, checked against ``model``'s context window, or ``window`` when no
+    model is given (:class:`PromptError`)."""
     if isinstance(prompt_ids, torch.Tensor):
         prompt_ids = prompt_ids.flatten().tolist()
     prompt_ids = [int(t) for t in prompt_ids]
-    validate_prompt(prompt_ids, max_new_tokens, context_window(model))
+    validate_prompt(prompt_ids, max_new_tokens, context_window(model) if model is not None else window)
     return prompt_ids
 
 

@@ -33,7 +33,7 @@ from ..model_io import head_weight
 from ..paths import default_cache_dir
 from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
 from ..tree import MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_order, prune_to_budget
-from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, hold_eos, make_generator, validate_prompt
+from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, hold_eos, make_generator, prepare_prompt
 from .backoff import CallGate
 from .budget import BudgetPlanner
 from .builders import BuildState, TurnPlan, builder_for
@@ -355,10 +355,7 @@ class TreeGraftDecoder:
         (streaming). ``min_new_tokens``: no EOS among the first this many tokens, as transformers'
         option of that name (the verification holds EOS back in the target's own logits, so the output
         is still exactly the target's decoding under that rule)."""
-        if isinstance(prompt_ids, torch.Tensor):
-            prompt_ids = prompt_ids.flatten().tolist()
-        prompt_ids = [int(t) for t in prompt_ids]
-        validate_prompt(prompt_ids, max_new_tokens, self.engine.context_window())
+        prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, None, self.engine.context_window())
         self.budget()
         if self.gate is not None:
             self._planner()  # the gate prices a plain step from the verification curve

@@ -13,14 +13,9 @@ from .kernels import SMALL_GEMM_MAX_ROWS, _mkl_packing, avx512_kernels
 from .names import RuntimeUnavailable, runtime_unavailable
 
 __all__ = ["INT4_GROUP", "PackedLinear", "RowInt8Linear", "Int4Block", "quantize_int4_rtn", "int4_supported_shape",
-           "Int4Linear", "small_gemm"]
+           "Int4Linear"]
 
 INT4_GROUP = 32
-
-
-def small_gemm():
-    """:func:`~treegraft.models.runtime.kernels.small_gemm` (looked up here, so a test can take it away)."""
-    return _kernels.small_gemm()
 
 
 def _flatten(x: torch.Tensor, features: int) -> torch.Tensor:
@@ -33,7 +28,7 @@ class PackedLinear(nn.Module):
 
     Inputs of any shape ``[..., in_features]`` and dtype; the product runs in ``dtype`` (float32 or
     bfloat16) and the output comes back in the input's dtype, shape ``[..., out_features]``.
-    float32 products of up to 8 rows use :func:`small_gemm` (or, without it, MKL's packed GEMV for
+    float32 products of up to 8 rows use :func:`~.kernels.small_gemm` (or, without it, MKL's packed GEMV for
     one row), wider ones oneDNN's; bfloat16 uses :func:`avx512_kernels` (it matches or beats oneDNN
     from 1 to 512 rows on a Zen 5 EPYC), oneDNN where that kernel is missing. ``onednn_above``
     (bfloat16 with the AVX-512 kernel only): products of more rows than this go to a second,
@@ -67,7 +62,7 @@ class PackedLinear(nn.Module):
             self.packed = onednn_pack(weight)
         except RuntimeError as err:
             raise RuntimeUnavailable(f"oneDNN cannot pack a {dtype} weight on this CPU: {str(err).splitlines()[0]}") from err
-        self.small = small_gemm() if dtype == torch.float32 else None
+        self.small = _kernels.small_gemm() if dtype == torch.float32 else None
         self.small_packed = self.small.pack(weight) if self.small is not None else None
         self.mkl_packed = None
         if dtype == torch.float32 and self.small is None and _mkl_packing():
