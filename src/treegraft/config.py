@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from omegaconf import OmegaConf
 
 from .paths import CONF_DIR, REPO_ROOT
@@ -22,9 +25,6 @@ def check_config_choices(argv: list[str] | None = None, conf_dir=CONF_DIR) -> No
     """Exit with one line (status 2) when a command-line override names a config that does not exist,
     e.g. ``pair=nope``: "error: unknown pair 'nope'; available: a, b, c". Hydra would print a listing
     and a stack-trace hint; entry points call this before Hydra parses their arguments."""
-    import sys
-    from pathlib import Path
-
     for arg in sys.argv[1:] if argv is None else argv:
         key, sep, value = arg.lstrip("+").partition("=")
         if sep and "." in key and not key.startswith(("~", "-")):
@@ -41,16 +41,13 @@ def check_config_choices(argv: list[str] | None = None, conf_dir=CONF_DIR) -> No
                 sys.exit(2)
 
 
-# groups whose settings are a dataclass's fields (every option names them all): a dotted override of
-# a setting none of them has is a typo, which the library would otherwise see only as an unknown key
+# groups whose options name every setting the code reads (the tree group is TreeConfig's fields): a
+# dotted override of a setting no option has is a typo, which the library would otherwise never see
 SETTING_GROUPS = ("tree", "method")
 
 
 def _check_setting(key: str, conf_dir) -> None:
     """Exit with one line (status 2) when ``key`` (``tree.bugdet``) names no setting of its group."""
-    import sys
-    from pathlib import Path
-
     group, *path = key.split(".")
     folder = Path(conf_dir) / group
     if group not in SETTING_GROUPS or not folder.is_dir():
