@@ -7,6 +7,7 @@ Run:
     python -m treegraft.generate pair=tiny-random chat_template=false prompt="hello" temperature=0.8 seed=3
     python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=all_mid tree.budget=auto prompt="..."
     python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=fixed stream=true prompt="..."   # text as it arrives
+    python -m treegraft.generate pair=qwen-coder-1.5b__0.5b engine=llama_cpp method=all_mid prompt="..."  # GGUF on llama.cpp
 
 Methods (conf/method/): ar, all_small, all_mid, fixed, all_call, no_nondestructive,
 no_expanded_selection, csd, hf_assisted, hf_prompt_lookup.
@@ -82,17 +83,29 @@ def run(cfg: DictConfig) -> int:
     text = read_prompt(cfg)
     if not text.strip():
         raise ValueError("empty prompt: give a non-empty prompt or prompt_file")
-    pair = load_pair_from_settings(instantiate(cfg.pair), cfg, log=lambda line: print(line, file=sys.stderr))
+    spec = instantiate(cfg.pair)
+    method = cfg.method.name
+    if cfg.engine.name == "llama_cpp":
+        from .llama_cpp import llama_decoder_for, load_llama_pair
+
+        pair = load_llama_pair(spec.target, spec.middle, threads=cfg.engine.threads, exact=cfg.engine.exact,
+                               n_ctx=cfg.engine.n_ctx, models_dir=cfg.paths.models_dir)
+        runtime = f"llama.cpp {'exact' if cfg.engine.exact else 'stock'}"
+    else:
+        pair = load_pair_from_settings(spec, cfg, log=lambda line: print(line, file=sys.stderr))
+        runtime = pair.runtime
     tokenizer = pair.tokenizer
     prompt = format_prompt(tokenizer, text) if cfg.chat_template else text
     prompt_ids = tokenizer(prompt, add_special_tokens=not cfg.chat_template).input_ids
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    method = cfg.method.name
     scheduler = load_learned_scheduler(method, cfg.method.artifacts) if method in LEARNED_METHODS else None
-    decoder = build_decoder(method, pair, OmegaConf.to_container(cfg.tree, resolve=True), sampling, scheduler,
-                            cfg.paths.cache_dir)
+    tree = OmegaConf.to_container(cfg.tree, resolve=True)
+    if cfg.engine.name == "llama_cpp":
+        decoder = llama_decoder_for(method, pair, tree, sampling, scheduler, cfg.paths.cache_dir)
+    else:
+        decoder = build_decoder(method, pair, tree, sampling, scheduler, cfg.paths.cache_dir)
     if scheduler is not None:  # the learned policy's runtime context (ms per target / middle forward)
         decoder.warm_up(prompt_ids, 4)
     stream = TextStream(tokenizer) if cfg.stream else None
@@ -104,8 +117,8 @@ def run(cfg: DictConfig) -> int:
         sys.stdout.write(text + "\n")
         sys.stdout.flush()
     stats = (
-        f"[{method}] pair={pair.spec.name} new_tokens={result.new_tokens} prompt_tokens={result.prompt_tokens} "
-        f"time={result.wall_time_s:.2f}s tokens/s={result.tokens_per_s:.2f} stop={result.stop_reason} runtime={pair.runtime}"
+        f"[{method}] pair={spec.name} new_tokens={result.new_tokens} prompt_tokens={result.prompt_tokens} "
+        f"time={result.wall_time_s:.2f}s tokens/s={result.tokens_per_s:.2f} stop={result.stop_reason} runtime={runtime}"
     )
     if result.turns:
         mean_al = sum(t["accepted"] for t in result.turns) / len(result.turns)
@@ -117,11 +130,13 @@ def run(cfg: DictConfig) -> int:
 @hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
 def main(cfg: DictConfig) -> None:
     from .models import ModelLoadError, TokenizerMismatchError
+    from .llama_cpp import LlamaCppError
     from .models.runtime import RuntimeUnavailable
 
     try:
         run(cfg)
-    except (ModelLoadError, TokenizerMismatchError, RuntimeUnavailable, ValueError, FileNotFoundError) as err:
+    except (ModelLoadError, TokenizerMismatchError, RuntimeUnavailable, LlamaCppError, ValueError,
+            FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 

@@ -37,7 +37,7 @@ from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, 
 from .backoff import CallGate
 from .budget import BudgetPlanner
 from .builders import BuildState, TurnPlan, builder_for
-from .engine import TargetEngine, TorchTarget
+from .engine import DraftModel, TargetEngine, TorchTarget
 from .sampling import SamplingConfig
 from .tree_config import METHOD_PRESETS, MethodPreset, TreeConfig, auto_shape
 from .turn_stats import TurnStats
@@ -65,12 +65,14 @@ class TreeGraftDecoder:
         cache_dir: str | Path | None = None,
         eager_middle_prefill: bool = False,
         engine: TargetEngine | None = None,
+        drafter: DraftModel | None = None,
     ):
         """``eager_middle_prefill``: encode the prompt into the middle drafter's cache at prefill
         (schedule enumeration wants every call's cost to be a call's own); by default the drafter
         catches up on the prompt at its first call, so a method or policy that does not call never pays
         for it and the time to the first turn is the target's prefill alone. ``engine``: the target's
-        engine (default :class:`~treegraft.decoding.engine.TorchTarget` over ``target``)."""
+        engine (default :class:`~treegraft.decoding.engine.TorchTarget` over ``target``); ``drafter``: the
+        middle drafter's (default :class:`~treegraft.drafters.middle.MiddleDrafter` over ``middle``)."""
         self.target = target
         self.tokenizer = tokenizer
         self.cfg = cfg or TreeConfig()
@@ -82,12 +84,14 @@ class TreeGraftDecoder:
         # the middle drafter exists only where it may be called (every method but all_small, whose
         # schedule is all skips; a learned policy may call with any method)
         may_call = scheduler is not None or self.cfg.preset.schedule != "small"
-        if may_call and scheduler is None and middle is None:
+        if may_call and scheduler is None and middle is None and drafter is None:
             raise ValueError(f"method {self.cfg.method} calls the middle drafter, but none was given")
         draft_vocab = None
-        if middle is not None and may_call and self.cfg.draft_vocab:
+        if middle is not None and drafter is None and may_call and self.cfg.draft_vocab:
             draft_vocab = self._frequent(int(self.cfg.draft_vocab), head_weight(middle).shape[0])
-        self.middle = MiddleDrafter(middle, draft_vocab) if middle is not None and may_call else None
+        if drafter is None and middle is not None:
+            drafter = MiddleDrafter(middle, draft_vocab)
+        self.middle: DraftModel | None = drafter if may_call else None
         self._eager_middle_prefill = eager_middle_prefill
         self.ngram = NGramDrafter(self.cfg.ngram)
         self.builder = builder_for(self.cfg, self.ngram, self.middle)

@@ -1,0 +1,190 @@
+"""Build llama-cpp-python from its source package, with the batch-invariance patch (what `make setup` runs).
+
+Run:
+    .venv/bin/python -m treegraft.llama_cpp.build          # or: make llamacpp
+
+Downloads the pinned source package from PyPI, applies :data:`PATCHES` to its vendored ggml, and
+installs it into the running interpreter's environment (library only: no tools, no examples, no
+multimodal library; about 3 minutes on 2 cores). A failed step is one line on stderr and exit status 1.
+
+Why each build choice:
+- ``-DGGML_NATIVE=ON`` with ``-mno-amx-*``: the kernels for this CPU, but never ggml's AMX buffer type,
+  which crashes in ``ggml_backend_amx_mul_mat`` on Q4_K_M models on Xeons with AMX.
+- llamafile's sgemm and the weight repacking stay compiled in: they are the stock fast kernels that
+  ``exact=false`` runs. The exact default switches them off at run time (the patch below and
+  ``use_extra_bufts=false`` at model load).
+- The patch adds one process-wide switch, ``ggml_cpu_set_batch_invariant``, that routes every op
+  through ggml's own reference paths (``use_ref``: no flash-attention split-KV or tiled path, no tiled
+  K-quant matmul) and skips llamafile's sgemm. With it, a token's logits do not depend on how many
+  tokens share its batch or where its KV cells sit: a tree verified in one batch gives bit for bit
+  the logits of one-token decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+VERSION = "0.3.36"
+AMX_OFF = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+CMAKE_ARGS = [
+    "-DGGML_NATIVE=ON",
+    f"-DCMAKE_C_FLAGS={AMX_OFF}",
+    f"-DCMAKE_CXX_FLAGS={AMX_OFF}",
+    "-DLLAVA_BUILD=OFF",  # no multimodal library
+    "-DLLAMA_BUILD_TOOLS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_SERVER=OFF",
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+]
+
+_SWITCH_C = """
+// treegraft: batch-invariant mode. One process-wide switch (env GGML_CPU_BATCH_INVARIANT=1 or
+// ggml_cpu_set_batch_invariant) that makes every op take ggml's reference paths (use_ref) and skip
+// llamafile's sgemm, so that a row's result does not depend on the batch it is computed in.
+static atomic_bool ggml_cpu_batch_invariant_flag = false;
+
+void ggml_cpu_set_batch_invariant(bool on) {
+    atomic_store(&ggml_cpu_batch_invariant_flag, on);
+}
+
+bool ggml_cpu_get_batch_invariant(void) {
+    return atomic_load(&ggml_cpu_batch_invariant_flag);
+}
+"""
+
+# (file under vendor/llama.cpp/ggml, anchor text, replacement); each anchor must occur exactly once.
+PATCHES: list[tuple[str, str, str]] = [
+    ("include/ggml-cpu.h",
+     "    GGML_BACKEND_API bool    ggml_is_numa(void); // true if init detected that system has >1 NUMA node\n",
+     "    GGML_BACKEND_API bool    ggml_is_numa(void); // true if init detected that system has >1 NUMA node\n"
+     "    // treegraft: batch-invariant mode (reference paths, no llamafile sgemm) for every op from now on\n"
+     "    GGML_BACKEND_API void    ggml_cpu_set_batch_invariant(bool on);\n"
+     "    GGML_BACKEND_API bool    ggml_cpu_get_batch_invariant(void);\n"),
+    ("src/ggml-cpu/ggml-cpu.c",
+     "static bool ggml_cpu_disable_fusion = false;",
+     _SWITCH_C + "\nstatic bool ggml_cpu_disable_fusion = false;"),
+    ("src/ggml-cpu/ggml-cpu.c",
+     "        /*.use_ref    =*/ cplan->use_ref,\n",
+     "        /*.use_ref    =*/ cplan->use_ref || ggml_cpu_get_batch_invariant(),\n"),
+    ("src/ggml-cpu/ggml-cpu.c",  # llamafile's sgemm tiles by batch size: not in the reference path
+     "    const bool src1_cont = ggml_is_contiguous(src1);\n\n    if (src1_cont) {\n",
+     "    const bool src1_cont = ggml_is_contiguous(src1);\n\n    if (src1_cont && !params->use_ref) {\n"),
+    ("src/ggml-cpu/ggml-cpu.c",
+     "#if GGML_USE_LLAMAFILE\n    if (src1->type != vec_dot_type) {\n",
+     "#if GGML_USE_LLAMAFILE\n    if (src1->type != vec_dot_type && !params->use_ref) {\n"),
+    ("src/ggml-cpu/ggml-cpu.c",
+     "            const char * env = getenv(\"GGML_CPU_DISABLE_FUSION\");\n",
+     "            const char * inv = getenv(\"GGML_CPU_BATCH_INVARIANT\");\n"
+     "            if (inv != NULL && atoi(inv) == 1) {\n"
+     "                ggml_cpu_set_batch_invariant(true);\n"
+     "            }\n"
+     "            const char * env = getenv(\"GGML_CPU_DISABLE_FUSION\");\n"),
+]
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+def patch_id() -> str:
+    """A short digest of the build options and the patch set (recorded with every result)."""
+    text = json.dumps([VERSION, CMAKE_ARGS, PATCHES])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def apply_patches(ggml_dir: Path) -> None:
+    for rel, anchor, new in PATCHES:
+        path = ggml_dir / rel
+        text = path.read_text()
+        if text.count(anchor) != 1:
+            raise BuildError(f"patch anchor not found exactly once in {rel} (llama-cpp-python {VERSION} expected): "
+                             f"{anchor.strip().splitlines()[0]!r}")
+        path.write_text(text.replace(anchor, new))
+
+
+def _run(cmd: list[str], what: str, env: dict | None = None, log: Path | None = None) -> None:
+    with open(log, "a") if log else open(os.devnull, "w") as out:
+        proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if proc.returncode != 0:
+        tail = ""
+        if log and log.exists():
+            lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "error" in ln.lower()]
+            tail = (errors or lines or [""])[-1].strip()
+        raise BuildError(f"{what} failed (exit {proc.returncode}){': ' + tail if tail else ''}; full log: {log}")
+
+
+def installed_build() -> dict | None:
+    """The stamp of the installed build (version, options, patch id), None if llama_cpp is absent or stock."""
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        return None
+    stamp = Path(spec.origin).parent / "treegraft_build.json"
+    return json.loads(stamp.read_text()) if stamp.is_file() else None
+
+
+def build(work_dir: Path, jobs: int = 2, log: Path | None = None) -> dict:
+    """Download, patch and install llama-cpp-python; returns the build stamp."""
+    if shutil.which("cmake") is None:
+        raise BuildError("cmake not found: install it (Debian: apt-get install cmake) to build llama.cpp")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log = log or work_dir / "build.log"
+    log.write_text("")
+    sdist = work_dir / f"llama_cpp_python-{VERSION}.tar.gz"
+    if not sdist.is_file():
+        _run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={VERSION}", "--no-binary", ":all:",
+              "--no-deps", "-d", str(work_dir)], "downloading the llama-cpp-python source package", log=log)
+    with tempfile.TemporaryDirectory(dir=work_dir, prefix="src-") as tmp:
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        src = Path(tmp) / f"llama_cpp_python-{VERSION}"
+        apply_patches(src / "vendor" / "llama.cpp" / "ggml")
+        env = {**os.environ, "CMAKE_ARGS": " ".join(f'"{a}"' if " " in a else a for a in CMAKE_ARGS),
+               "CMAKE_BUILD_PARALLEL_LEVEL": str(jobs)}
+        _run([sys.executable, "-m", "pip", "install", "--no-deps", "--force-reinstall", "--no-cache-dir", str(src)],
+             "building llama-cpp-python", env=env, log=log)
+    importlib.invalidate_caches()
+    spec = importlib.util.find_spec("llama_cpp")
+    if spec is None or spec.origin is None:
+        raise BuildError(f"llama-cpp-python was installed but cannot be imported from {sys.executable}")
+    stamp = {"version": VERSION, "cmake_args": CMAKE_ARGS, "patch_id": patch_id(), "amx": "off"}
+    (Path(spec.origin).parent / "treegraft_build.json").write_text(json.dumps(stamp, indent=1))
+    return stamp
+
+
+def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work-dir", default=".venv/src/llama-cpp-python")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2)
+    parser.add_argument("--force", action="store_true", help="rebuild even when the installed build is current")
+    args = parser.parse_args()
+    current = installed_build()
+    if current and current.get("patch_id") == patch_id() and not args.force:
+        print(f"llama-cpp-python {VERSION} (patch {patch_id()}) already built")
+        return 0
+    print(f"building llama-cpp-python {VERSION} (patch {patch_id()}, AMX off) with {args.jobs} jobs ...", flush=True)
+    try:
+        stamp = build(Path(args.work_dir), args.jobs)
+    except BuildError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(f"built llama-cpp-python {stamp['version']} (patch {stamp['patch_id']})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

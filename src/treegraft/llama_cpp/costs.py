@@ -1,0 +1,70 @@
+"""This engine's cost curve: seconds of one ``llama_decode`` over n tree rows on a real KV cache.
+
+The same shape as the PyTorch engine's curve (a chain of n rows after a 256-token context, median of
+repeats after a warm-up, every row's logits requested as a verification does), measured on this
+machine and cached per CPU line, GGUF file, thread count and mode (exact or stock): the budget planner,
+the tree shape and the scheduler's cost context read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+from pathlib import Path
+
+from ..atomic import atomic_write_json, read_json
+from ..decoding.budget import DEFAULT_SIZES
+from ..machine import cpu_line
+from .engine import GGUFModel
+
+__all__ = ["engine_curve", "cached_engine_curve", "model_key"]
+
+
+def model_key(model: GGUFModel) -> str:
+    """Machine + file + threads + mode: what a measured cost depends on."""
+    path = Path(model.path)
+    digest = hashlib.sha256(f"{path.name}|{path.stat().st_size}".encode()).hexdigest()[:12]
+    mode = "exact" if model.exact else "stock"
+    return f"{cpu_line()} | llama.cpp {mode} | {model.threads} threads | {digest} ({path.name})"
+
+
+def engine_curve(model: GGUFModel, sizes=(1, 2, 4, 8, 16), context: int = 256, repeats: int = 3,
+                 seed: int = 0) -> dict[int, float]:
+    """Median seconds of a decode of ``n`` chained tokens (seq 0) after ``context`` tokens, for each n."""
+    import random
+
+    rng = random.Random(seed)
+    model.clear()
+    prefix = [rng.randrange(model.n_vocab) for _ in range(context)]
+    for start in range(0, context, model.n_batch):
+        chunk = prefix[start:start + model.n_batch]
+        model.decode(chunk, list(range(start, start + len(chunk))), [[0]] * len(chunk), [False] * len(chunk))
+    curve: dict[int, float] = {}
+    for n in sizes:
+        tokens = [rng.randrange(model.n_vocab) for _ in range(n)]
+        times = []
+        for i in range(repeats + 1):
+            elapsed = model.decode(tokens, list(range(context, context + n)), [[0]] * n, [True] * n)
+            if i:  # the first run is a warm-up
+                times.append(elapsed)
+            model.seq_rm(0, context, -1)
+        curve[n] = statistics.median(times)
+    model.clear()
+    return curve
+
+
+def cached_engine_curve(model: GGUFModel, cache_dir: str | Path | None, max_size: int = 64,
+                        context: int = 256) -> dict[int, float]:
+    """:func:`engine_curve` up to ``max_size + 1`` rows, cached in ``<cache_dir>/verify_curves.json``."""
+    sizes = [s for s in DEFAULT_SIZES if s <= max_size + 1] or [1]
+    key = f"{model_key(model)} | ctx {context} | {sizes}"
+    path = Path(cache_dir) / "verify_curves.json" if cache_dir else None
+    cache = read_json(path, {}) if path else {}
+    if key in cache:
+        return {int(n): float(s) for n, s in cache[key].items()}
+    curve = engine_curve(model, sizes=sizes, context=context)
+    if path:
+        cache = read_json(path, {})
+        cache[key] = curve
+        atomic_write_json(cache, path)
+    return curve

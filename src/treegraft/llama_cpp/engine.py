@@ -1,0 +1,489 @@
+"""llama.cpp as TreeGraft's engine: the target and the middle drafter run from their GGUF files through
+llama-cpp-python's low-level API.
+
+A draft tree is verified in one ``llama_decode``. Every tree row carries the seq ids of the leaves below
+it (one seq per root-to-leaf path, the committed context copied to each leaf's seq first, unified KV),
+so llama.cpp's own attention mask gives each row its context plus its ancestors, at position committed
+length + depth. Keeping the accepted path moves its cells into seq 0 (``seq_cp`` over the path's
+positions) and drops the leaf seqs; a rejected tree is dropped whole.
+
+The middle drafter's tree grows call by call, so it gives every encoded node a seq of its own: a new
+node's seq starts as a copy of its nearest encoded ancestor's seq (the context and that ancestor's
+path), and the node's cell also carries the seqs of its new descendants in the same batch.
+
+``exact=True`` (the default) runs the patched ggml's batch-invariant mode
+(:mod:`treegraft.llama_cpp.build`) and loads weights without repacking: a token's logits are then the
+same bit for bit whether it is decoded alone or in a tree, so every method's greedy output equals this
+engine's own one-token decoding. ``exact=False`` runs the stock fast kernels (outputs equal up to
+batch rounding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..drafters.middle import TokenLogProbs
+from ..tree import DraftTree, TreeInputs
+
+__all__ = ["GGUFModel", "LlamaCppTarget", "LlamaCppDrafter", "LlamaCppError", "set_batch_invariant"]
+
+
+class LlamaCppError(RuntimeError):
+    pass
+
+
+def _llama():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise LlamaCppError("llama-cpp-python is not installed: run `make llamacpp` (builds it from source)") from None
+    return llama_cpp
+
+
+_LOG_CB = None
+_SWITCH = None
+
+
+def _quiet(lib) -> None:
+    """llama.cpp's log lines off (errors surface as return codes)."""
+    global _LOG_CB
+    if _LOG_CB is None:
+        _LOG_CB = lib.llama_log_callback(lambda level, text, user: None)
+        lib.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+        lib.llama_backend_init()
+
+
+def set_batch_invariant(on: bool) -> None:
+    """The patched ggml's process-wide batch-invariant switch (see :mod:`treegraft.llama_cpp.build`)."""
+    global _SWITCH
+    if _SWITCH is None:
+        import os
+
+        _llama().llama_cpp  # loads libllama and, through it, the ggml CPU backend
+        # the copy libllama loaded, found by its soname (a wheel holds no symlinks: libggml-cpu.so is
+        # another file, and loading it by path would give a second, unused copy of the switch)
+        try:
+            handle = ctypes.CDLL("libggml-cpu.so.0", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+            _SWITCH = handle.ggml_cpu_set_batch_invariant
+        except (OSError, AttributeError):
+            raise LlamaCppError("the installed llama-cpp-python lacks treegraft's batch-invariance patch: "
+                                "run `make llamacpp` (builds the patched source)") from None
+        _SWITCH.argtypes = [ctypes.c_bool]
+    _SWITCH(bool(on))
+
+
+@dataclass
+class GGUFModel:
+    """One GGUF file loaded into llama.cpp with one context (its KV cache), ``threads`` threads."""
+
+    path: str
+    n_ctx: int = 4096
+    n_seq: int = 64  # seq ids: 0 = the committed context, the rest for tree paths / nodes
+    threads: int = 1
+    exact: bool = True
+    n_batch: int = 512
+
+    def __post_init__(self):
+        lib = self.lib = _llama()
+        _quiet(lib)
+        if not Path(self.path).is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        mparams = lib.llama_model_default_params()
+        mparams.use_extra_bufts = not self.exact  # repacked weights take batch-size-dependent kernels
+        self.model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self.model:
+            raise LlamaCppError(f"llama.cpp could not load {self.path}")
+        cparams = lib.llama_context_default_params()
+        cparams.n_ctx = self.n_ctx
+        cparams.n_batch = cparams.n_ubatch = self.n_batch  # a tree is one ubatch
+        cparams.n_seq_max = self.n_seq
+        cparams.kv_unified = True
+        cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        cparams.no_perf = True
+        self.ctx = lib.llama_init_from_model(self.model, cparams)
+        if not self.ctx:
+            raise LlamaCppError(f"llama.cpp could not create a context for {self.path} (n_ctx {self.n_ctx})")
+        self.mem = lib.llama_get_memory(self.ctx)
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        self.batch = lib.llama_batch_init(self.n_batch, 0, self.n_seq)
+
+        self.used = 0  # cells taken since the last clear (never freed before it: see bury)
+
+    @property
+    def grave(self) -> int:
+        """The seq that holds buried cells (never a query's seq, so never attended to)."""
+        return self.n_seq - 1
+
+    def free_cells(self) -> int:
+        return self.n_ctx - self.used
+
+    def clear(self) -> None:
+        self.lib.llama_memory_clear(self.mem, True)
+        self.used = 0
+
+    def bury(self, seq: int, p0: int = -1) -> None:
+        """Take ``seq`` off its cells from position ``p0`` on, leaving the cells taken.
+
+        Attention reduces over KV cells in cell order, so a token's logits are those of contiguous
+        decoding only while its context sits in cells of increasing position. A freed cell would be
+        refilled by a later token, behind cells of higher positions; a buried one never is: every new
+        cell comes after all the others until :meth:`clear`."""
+        self.seq_cp(seq, self.grave, p0, -1)
+        self.seq_rm(seq, p0, -1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        self.lib.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        self.lib.llama_memory_seq_rm(self.mem, seq, p0, p1)
+
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[list[int]], logits: list[bool]) -> float:
+        """One ``llama_decode`` of these rows; returns its seconds."""
+        n = len(tokens)
+        if n > self.n_batch:
+            raise LlamaCppError(f"batch of {n} rows exceeds n_batch {self.n_batch}")
+        b = self.batch
+        b.n_tokens = n
+        for i in range(n):
+            b.token[i] = tokens[i]
+            b.pos[i] = positions[i]
+            b.n_seq_id[i] = len(seqs[i])
+            for j, s in enumerate(seqs[i]):
+                b.seq_id[i][j] = s
+            b.logits[i] = bool(logits[i])
+        if n > self.free_cells():
+            raise LlamaCppError(f"KV cache full: {n} rows with {self.free_cells()} of {self.n_ctx} cells free; "
+                                f"raise engine.n_ctx")
+        set_batch_invariant(self.exact)
+        start = time.perf_counter()
+        rc = self.lib.llama_decode(self.ctx, b)
+        elapsed = time.perf_counter() - start
+        if rc != 0:
+            raise LlamaCppError(f"llama_decode returned {rc} for a batch of {n} rows")
+        self.used += n
+        return elapsed
+
+    def prefill(self, tokens: list[int], want_logits: bool = False) -> list[torch.Tensor]:
+        """Decode ``tokens`` into seq 0 from position 0 of a cleared cache, in batches of ``n_batch``;
+        every position's logits with ``want_logits``."""
+        self.clear()
+        out = []
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start:start + self.n_batch]
+            self.decode(chunk, list(range(start, start + len(chunk))), [[0]] * len(chunk), [want_logits] * len(chunk))
+            if want_logits:
+                out += [self.logits(i) for i in range(len(chunk))]
+        return out
+
+    def logits(self, i: int) -> torch.Tensor:
+        """float32 logits [vocab] of batch row ``i`` of the last decode (a copy)."""
+        ptr = self.lib.llama_get_logits_ith(self.ctx, i)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.lib.llama_batch_free(self.batch)
+            self.lib.llama_free(self.ctx)
+            self.lib.llama_model_free(self.model)
+            self.ctx = self.model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _subset_log_softmax(logits: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
+    return torch.log_softmax(logits if ids is None else logits[ids], dim=-1)
+
+
+class LlamaTreeForward:
+    """Rows of a verified tree: their logits, read from llama.cpp on demand (valid until the next decode)."""
+
+    def __init__(self, model: GGUFModel):
+        self.model = model
+
+    def logits(self, rows: list[int]) -> list[torch.Tensor]:
+        return [self.model.logits(r) for r in rows]
+
+
+def _leaves_below(parent: list[int]) -> list[list[int]]:
+    """For each row, the leaves of the subtree below it (rows in parent-first order)."""
+    n = len(parent)
+    has_child = [False] * n
+    for p in parent:
+        if p >= 0:
+            has_child[p] = True
+    below: list[list[int]] = [[] for _ in range(n)]
+    for row in range(n - 1, -1, -1):
+        if not has_child[row]:
+            below[row].insert(0, row)
+        if parent[row] >= 0:
+            below[parent[row]][:0] = below[row]
+    return below
+
+
+class LlamaCppTarget:
+    """:class:`~treegraft.decoding.engine.TargetEngine` over a :class:`GGUFModel`."""
+
+    device = torch.device("cpu")
+    reserve = 128  # cells kept free for a tree: the context window is n_ctx minus this
+
+    def __init__(self, model: GGUFModel, frequent=None):
+        """``frequent(k, vocab_size)``: the ``k`` most frequent token ids (the prefill's restricted vocabulary)."""
+        self.model = model
+        self._frequent = frequent
+        self.tokens: list[int] = []  # the committed context, in the cache's seq 0
+        self._leaf_seqs: list[int] = []
+        self._first_seq: list[int] = []
+        self._tree_tokens: list[int] = []
+        self._prefill_base: torch.Tensor | None = None
+
+    def context_window(self) -> int | None:
+        return self.model.n_ctx - self.reserve
+
+    def prefill(self, prompt_ids: list[int], top_m: int, vocab: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """With ``vocab`` = K the scores are a log-softmax over the K most frequent tokens plus the
+        prompt's own, as on the PyTorch engine (llama.cpp computes the full head; the subset is read from it)."""
+        m = self.model
+        m.clear()
+        self._leaf_seqs = []
+        self.tokens = list(prompt_ids[:-1])
+        if not self.tokens:
+            return torch.zeros(0, top_m, dtype=torch.long), torch.zeros(0, top_m)
+        ids = None
+        if vocab and self._frequent is not None:
+            if self._prefill_base is None:
+                self._prefill_base = self._frequent(int(vocab), m.n_vocab)
+            ids = torch.unique(torch.cat([self._prefill_base, torch.tensor(prompt_ids, dtype=torch.long)]))
+        out_ids, out_lps = [], []
+        for start in range(0, len(self.tokens), m.n_batch):  # [n_batch, V] logits at a time
+            chunk = self.tokens[start:start + m.n_batch]
+            m.decode(chunk, list(range(start, start + len(chunk))), [[0]] * len(chunk), [True] * len(chunk))
+            for i in range(len(chunk)):
+                logp = _subset_log_softmax(m.logits(i), ids)
+                v, j = logp.topk(min(top_m, logp.shape[-1]))
+                out_ids.append(j if ids is None else ids[j])
+                out_lps.append(v)
+        return torch.stack(out_ids), torch.stack(out_lps)
+
+    def context_len(self) -> int:
+        return len(self.tokens)
+
+    def _make_room(self, n: int) -> None:
+        """Re-encode the committed context into a cleared cache when fewer than ``n`` cells are free
+        (buried cells are reclaimed only this way; batches are exact, so nothing changes but the cost)."""
+        if self.model.free_cells() < n:
+            self.model.prefill(self.tokens)
+
+    def forward_tree(self, inputs: TreeInputs) -> LlamaTreeForward:
+        n = inputs.size
+        self._make_room(n)
+        below = _leaves_below(inputs.parent_row)
+        leaves = [r for r in range(n) if below[r] == [r]]
+        if len(leaves) + 2 > self.model.n_seq:
+            raise LlamaCppError(f"tree of {len(leaves)} leaves exceeds the engine's {self.model.n_seq - 2} path seqs")
+        seq_of_leaf = {leaf: 1 + i for i, leaf in enumerate(leaves)}
+        for s in seq_of_leaf.values():  # each path starts from the committed context
+            self.model.seq_cp(0, s)
+        seqs = [[seq_of_leaf[leaf] for leaf in below[r]] for r in range(n)]
+        self._leaf_seqs = list(seq_of_leaf.values())
+        self._first_seq = [s[0] for s in seqs]
+        self._tree_tokens = inputs.tokens.tolist()
+        self.model.decode(self._tree_tokens, inputs.position_ids.tolist(), seqs, [True] * n)
+        return LlamaTreeForward(self.model)
+
+    def keep(self, context_len: int, rows: list[int]) -> None:
+        """The accepted path (root first) joins seq 0: its cells are the path's positions in the seq of a
+        leaf below its last row; every tree cell is then buried under the leaf seqs."""
+        self.model.seq_cp(self._first_seq[rows[-1]], 0, context_len, context_len + len(rows))
+        self._drop_tree(context_len)
+        self.tokens = self.tokens[:context_len] + [self._tree_tokens[r] for r in rows]
+
+    def rollback(self, context_len: int) -> None:
+        self._drop_tree(context_len)
+        if context_len < len(self.tokens):
+            self.model.bury(0, context_len)
+        self.tokens = self.tokens[:context_len]
+
+    def _drop_tree(self, context_len: int) -> None:
+        for s in self._leaf_seqs:
+            self.model.bury(s, context_len)
+        self._leaf_seqs = []
+
+    def step(self, token: int) -> torch.Tensor:
+        """One-token decode of ``token`` at the end of the context (``ar``); its logits [vocab]."""
+        self._make_room(1)
+        self.model.decode([token], [len(self.tokens)], [[0]], [True])
+        self.tokens.append(token)
+        return self.model.logits(0)
+
+    def verify_curve(self, cache_dir: str | Path | None, max_size: int) -> dict[int, float]:
+        from .costs import cached_engine_curve
+
+        return cached_engine_curve(self.model, cache_dir, max_size)
+
+
+class LlamaCppDrafter:
+    """:class:`~treegraft.decoding.engine.DraftModel` over a :class:`GGUFModel` (the middle drafter).
+
+    Same contract as :class:`~treegraft.drafters.middle.MiddleDrafter`: the prompt is pending until the
+    first call, a call encodes the requested nodes not yet encoded (and their unencoded ancestors),
+    :meth:`commit` keeps the encoded prefix of the accepted path and queues the rest as pending."""
+
+    reserve = 256  # free cells a turn may take; below that, the next call re-encodes the context
+
+    def __init__(self, model: GGUFModel, draft_vocab: torch.Tensor | None = None):
+        self.model = model
+        self.draft_vocab = draft_vocab
+        self.tokens: list[int] = []  # the committed context, in the cache's seq 0
+        self.ids: torch.Tensor | None = None  # the draft vocabulary plus every context token (sorted)
+        self.pos_of: torch.Tensor | None = None
+        self.committed = 0
+        self.pending: list[int] = []
+        self.seq_of: dict[int, int] = {}  # encoded node -> its seq, this turn
+        self.logprobs: dict[int, TokenLogProbs] = {}
+        self._row_logits: dict[int, torch.Tensor] = {}  # encoded node -> its logits, this turn
+        self.calls = 0
+        self.tokens_encoded = 0
+        self.forward_s = 0.0
+
+    # the draft vocabulary grows with the context, as SubsetHead does
+    def _add_vocab(self, tokens: list[int]) -> None:
+        if self.draft_vocab is None:
+            return
+        new = torch.tensor(sorted(set(tokens)), dtype=torch.long)
+        base = self.ids if self.ids is not None else self.draft_vocab
+        self.ids = torch.unique(torch.cat([base, new]))
+        self.pos_of = torch.full((self.model.n_vocab,), -1, dtype=torch.long)
+        self.pos_of[self.ids] = torch.arange(len(self.ids))
+
+    def reset(self, prompt_ids: list[int], encode: bool = False) -> None:
+        self.model.clear()
+        self.tokens, self.committed, self.pending = [], 0, list(prompt_ids[:-1])
+        self.seq_of, self.logprobs, self._row_logits = {}, {}, {}
+        self.ids = None
+        self._add_vocab(list(prompt_ids))
+        if encode and self.pending:
+            start = time.perf_counter()
+            self._decode_rows([], None)
+            self.forward_s += time.perf_counter() - start
+
+    @property
+    def context_len(self) -> int:
+        return self.committed + len(self.pending)
+
+    def start_turn(self) -> None:
+        self._drop_nodes(list(self.seq_of))
+        self.seq_of, self.logprobs, self._row_logits = {}, {}, {}
+
+    def snapshot(self) -> tuple:
+        """Within a turn the cells only grow: restoring drops the seqs of the nodes encoded since (and
+        the context caught up since), so schedules that share a prefix branch from the same state."""
+        return (self.committed, list(self.pending), dict(self.seq_of), dict(self.logprobs), dict(self._row_logits))
+
+    def restore(self, snap: tuple) -> None:
+        committed, pending, seq_of, logprobs, row_logits = snap
+        self._drop_nodes([n for n in self.seq_of if n not in seq_of])
+        if self.committed > committed:
+            self.model.bury(0, committed)
+            self.tokens = self.tokens[:committed]
+        self.committed, self.pending = committed, list(pending)
+        self.seq_of, self.logprobs, self._row_logits = dict(seq_of), dict(logprobs), dict(row_logits)
+
+    def _drop_nodes(self, nodes: list[int]) -> None:
+        for n in nodes:
+            self.model.bury(self.seq_of[n])
+
+    def _free_seqs(self, k: int) -> list[int]:
+        used = set(self.seq_of.values())
+        free = [s for s in range(1, self.model.grave) if s not in used][:k]
+        if len(free) < k:
+            raise LlamaCppError(f"middle drafter tree needs more than {self.model.grave - 1} node seqs this turn")
+        return free
+
+    def _decode_rows(self, new_nodes: list[int], tree: DraftTree | None) -> None:
+        """One decode of the pending chain (seq 0) and the new tree nodes, each node with a seq of its own;
+        every node row's logits are kept for the turn (a later call may ask for an encoded node's)."""
+        m = self.model
+        seqs = dict(zip(new_nodes, self._free_seqs(len(new_nodes))))
+        desc: dict[int, list[int]] = {n: [] for n in new_nodes}
+        for n in new_nodes:  # a node's cell also carries the seqs of its new descendants
+            a = tree.parent[n]
+            while a >= 0 and a in seqs:
+                desc[a].append(seqs[n])
+                a = tree.parent[a]
+            # the nearest encoded ancestor's seq (or the context's) is where the node's seq starts
+            m.seq_cp(self.seq_of[a] if a >= 0 else 0, seqs[n])
+        on_context = [seqs[n] for n in new_nodes if self._anchor(tree, n, seqs) < 0]
+        p, ctx = len(self.pending), self.context_len
+        tokens = self.pending + [tree.token[n] for n in new_nodes]
+        positions = list(range(self.committed, ctx)) + [ctx + tree.depth[n] for n in new_nodes]
+        rows = [[0, *on_context]] * p + [[seqs[n], *desc[n]] for n in new_nodes]
+        m.decode(tokens, positions, rows, [False] * p + [True] * len(new_nodes))
+        for i, n in enumerate(new_nodes):
+            self._row_logits[n] = m.logits(p + i)
+        self.tokens_encoded += len(tokens)
+        self.tokens += self.pending
+        self.committed, self.pending = ctx, []
+        self.seq_of.update(seqs)
+
+    @staticmethod
+    def _anchor(tree: DraftTree, node: int, new: dict[int, int]) -> int:
+        a = tree.parent[node]
+        while a >= 0 and a in new:
+            a = tree.parent[a]
+        return a
+
+    def encode(self, tree: DraftTree, nodes: list[int], need_logprobs: list[int] | None = None) -> None:
+        """Encode ``nodes`` (and unencoded ancestors); fill ``self.logprobs`` for ``need_logprobs``
+        (default ``nodes``)."""
+        need = list(nodes if need_logprobs is None else need_logprobs)
+        todo: set[int] = set()
+        for node in nodes:
+            n = node
+            while n >= 0 and n not in self.seq_of and n not in todo:
+                todo.add(n)
+                n = tree.parent[n]
+        start = time.perf_counter()
+        if todo or self.pending:
+            self._decode_rows(sorted(todo), tree)  # id order = parents first
+            self.calls += 1
+        for n in need:
+            if n not in self.logprobs:
+                self.logprobs[n] = self._logprobs(self._row_logits[n])
+        self.forward_s += time.perf_counter() - start
+
+    def _logprobs(self, logits: torch.Tensor) -> TokenLogProbs:
+        if self.ids is None:
+            return TokenLogProbs(torch.log_softmax(logits, dim=-1))
+        return TokenLogProbs(torch.log_softmax(logits[self.ids], dim=-1), self.ids, self.pos_of)
+
+    def commit(self, path_nodes: list[int], path_tokens: list[int]) -> None:
+        kept = 0
+        for node in path_nodes:
+            if node in self.seq_of:
+                kept += 1
+            else:
+                break
+        if kept:
+            last = self.seq_of[path_nodes[kept - 1]]
+            self.model.seq_cp(last, 0, self.committed, self.committed + kept)
+        self._drop_nodes(list(self.seq_of))
+        self.committed += kept
+        self.tokens += list(path_tokens[:kept])
+        self.pending.extend(path_tokens[kept:])
+        if self.model.free_cells() < self.reserve:  # buried cells come back only with a cleared cache
+            self.model.clear()
+            self.tokens, self.committed, self.pending = [], 0, self.tokens + self.pending
+        self._add_vocab(list(path_tokens))
+        self.seq_of, self.logprobs, self._row_logits = {}, {}, {}
