@@ -66,7 +66,8 @@ def result_to_json(r: GenerationResult) -> dict:
 
 def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tuple[dict, dict, object]:
     """The decoders of ``methods`` (llama pairs loaded once per mode), their build facts, the tokenizer."""
-    from treegraft.llama_cpp import installed_build, llama_decoder_for, load_llama_pair
+    from treegraft.llama_cpp import llama_decoder_for, load_llama_pair
+    from treegraft.llama_cpp.build import installed_build
 
     tree = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "tree" / "default.yaml"), resolve=True)
     tree = {k: v for k, v in tree.items() if not k.startswith("_")}
@@ -99,6 +100,33 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
     return decoders, facts, tokenizer
 
 
+def invariance_table(pair_cfg, args, console: Console) -> pd.DataFrame:
+    """Batch invariance of the pair's GGUF files in both modes: chains and trees in one batch against
+    one-token decoding, KV below and above 512 cells (treegraft.llama_cpp.check)."""
+    from treegraft.llama_cpp import GGUFModel, gguf_path
+    from treegraft.llama_cpp.check import batch_invariance
+
+    rows = []
+    for role, source in (("target", pair_cfg.target), ("middle", pair_cfg.middle)):
+        path = str(gguf_path(source, args.models_dir))
+        for exact in (True, False):
+            model, reference = (GGUFModel(path, n_ctx=2048, n_seq=256, threads=args.threads, exact=exact)
+                                for _ in range(2))
+            for context in (40, 530):
+                for r in batch_invariance(model, reference, context):
+                    rows.append({"model": f"{role} {Path(path).name}", "mode": "exact" if exact else "stock",
+                                 **vars(r)})
+            model.close(), reference.close()
+    df = pd.DataFrame(rows)
+    summary = df.groupby(["model", "mode", "kind", "context"]).agg(
+        rows=("rows", "sum"), exact_rows=("exact_rows", "sum"), max_abs_diff=("max_abs_diff", "max"),
+        argmax_flips=("argmax_flips", "sum")).reset_index()
+    console.print(f"batch invariance (chains of 2-8, trees of 16-64 rows, each row vs one-token decoding), "
+                  f"{args.threads} threads, {cpu_line()}")
+    console.print(summary.to_string(index=False))
+    return df
+
+
 def speedup(results: dict, method: str, reference: str, strata: list[str], weights: np.ndarray):
     """tokens/s of ``method`` over tokens/s of ``reference`` on the same prompts, with its paired CI."""
     tok_m = np.array([len(r["tokens"]) for r in results[method]], float)
@@ -124,6 +152,8 @@ def main() -> int:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--no-resume", action="store_true")
+    parser.add_argument("--check-exact", action="store_true",
+                        help="first, the batch-invariance check of both GGUF files in both modes")
     args = parser.parse_args()
     args.models_dir = args.models_dir or str(default_models_dir())
     args.cache_dir = args.cache_dir or str(default_cache_dir())
@@ -143,6 +173,10 @@ def main() -> int:
         if engine.startswith("llama") and f"{engine}:ar" not in methods:
             methods.insert(methods.index(m), f"{engine}:ar")
     console.print(f"CPU: {cpu_line()}")
+    out_dir = Path(args.out_dir or REPO_ROOT / "outputs" / "bench" / "llama" / args.pair)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if args.check_exact:
+        invariance_table(pair_cfg, args, console).to_csv(out_dir / "invariance.csv", index=False)
     try:
         decoders, facts, tokenizer = build_decoders(methods, pair_cfg, args, console)
     except (ValueError, FileNotFoundError, RuntimeError) as err:
@@ -150,14 +184,17 @@ def main() -> int:
         return 2
     console.print(f"llama.cpp build: {json.dumps(facts['build'])}; torch runtime: {facts.get('torch_runtime', '-')}; "
                   f"{args.threads} threads")
-    prompts = load_prompts(args.benchmarks, args.prompts_per_benchmark, args.prompt_offset, tokenizer,
-                           args.benchmarks_dir or default_benchmarks_dir())
+    try:
+        prompts = load_prompts(args.benchmarks, args.prompts_per_benchmark, args.prompt_offset, tokenizer,
+                               args.benchmarks_dir or default_benchmarks_dir())
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     console.print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, interleaved prompt by prompt: "
                   f"{', '.join(methods)}")
     for dec in decoders.values():  # warm-ups (and each tree decoder's measured cost curve) before any timing
         dec.generate(prompts[0][2], 8)
 
-    out_dir = Path(args.out_dir or REPO_ROOT / "outputs" / "bench" / "llama" / args.pair)
     runs = out_dir / "runs"
     key = {"prompts": hashlib.sha256(json.dumps([p[2] for p in prompts]).encode()).hexdigest()[:16],
            "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": cpu_line(),
@@ -221,7 +258,6 @@ def main() -> int:
         for part in ("value", "low", "high"):
             csv[f"{c}_{part}"] = [getattr(v, part) if v is not None else None for v in df[c]]
         csv = csv.drop(columns=c)
-    out_dir.mkdir(parents=True, exist_ok=True)
     csv.to_csv(out_dir / "engine.csv", index=False)
     console.print(f"wrote {out_dir / 'engine.csv'}")
     return 0

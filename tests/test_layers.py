@@ -15,6 +15,7 @@ LAYERS = [
     {"drafters", "data", "models"},
     {"scheduling"},
     {"decoding"},
+    {"llama_cpp"},  # the second engine: over the decoder's seam
     {"pipeline"},
     {"generate", "__init__"},
 ]
@@ -82,5 +83,5 @@ def test_the_check_catches_an_upward_import(tmp_path):
     problems = import_violations(copy)
     assert problems == [
         "scheduling/signals.py imports decoding (layer 3 > 2)",
-        "tree/buffers.py imports pipeline (layer 4 > 0)",
+        "tree/buffers.py imports pipeline (layer 5 > 0)",
     ]

@@ -88,7 +88,9 @@ def run(cfg: DictConfig) -> int:
     if cfg.engine.name == "llama_cpp":
         from .llama_cpp import llama_decoder_for, load_llama_pair
 
-        pair = load_llama_pair(spec.target, spec.middle, threads=cfg.engine.threads, exact=cfg.engine.exact,
+        # a self-draft pair's drafter is the target's layer prefix, which llama.cpp cannot run: the whole
+        # file drafts (as a separate context)
+        pair = load_llama_pair(spec.target, spec.middle or spec.target, threads=cfg.engine.threads, exact=cfg.engine.exact,
                                n_ctx=cfg.engine.n_ctx, models_dir=cfg.paths.models_dir)
         runtime = f"llama.cpp {'exact' if cfg.engine.exact else 'stock'}"
     else:

@@ -8,7 +8,9 @@ model is loaded.
 """
 
 from .engine import GGUFModel, LlamaCppDrafter, LlamaCppError, LlamaCppTarget, set_batch_invariant
-from .pair import LlamaAutoregressive, LlamaPair, gguf_path, llama_decoder_for, llama_eos_ids, load_llama_pair
+from .pair import (LlamaAutoregressive, LlamaPair, gguf_path, llama_decoder_for, llama_eos_ids, load_llama_pair,
+                   resolve_threads)
 
 __all__ = ["GGUFModel", "LlamaCppTarget", "LlamaCppDrafter", "LlamaCppError", "set_batch_invariant", "LlamaPair",
-           "LlamaAutoregressive", "gguf_path", "load_llama_pair", "llama_decoder_for", "llama_eos_ids"]
+           "LlamaAutoregressive", "gguf_path", "load_llama_pair", "llama_decoder_for", "llama_eos_ids",
+           "resolve_threads"]

@@ -72,12 +72,23 @@ class LlamaPair:
     name: str = ""
 
 
-def load_llama_pair(target: str, middle: str | None = None, tokenizer_source: str | None = None, threads: int = 1,
-                    exact: bool = True, n_ctx: int = 4096, models_dir: str | os.PathLike | None = None) -> LlamaPair:
+def resolve_threads(threads: int | str) -> int:
+    """``auto`` = the cores this process may run on (llama.cpp's step is memory-bound: every core helps)."""
+    if threads == "auto":
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if int(threads) < 1:
+        raise ValueError(f"engine threads must be >= 1 or auto, got {threads!r}")
+    return int(threads)
+
+
+def load_llama_pair(target: str, middle: str | None = None, tokenizer_source: str | None = None,
+                    threads: int | str = "auto", exact: bool = True, n_ctx: int = 4096,
+                    models_dir: str | os.PathLike | None = None) -> LlamaPair:
     """Both GGUF files loaded (middle None: a method without the middle drafter only). The tokenizer is the
     Hugging Face one of ``tokenizer_source`` (default ``target``; an embedded model's converted folder)."""
     from ..models import load_tokenizer
 
+    threads = resolve_threads(threads)
     tgt = GGUFModel(str(gguf_path(target, models_dir)), n_ctx=n_ctx, n_seq=256, threads=threads, exact=exact)
     mid = None
     if middle is not None:

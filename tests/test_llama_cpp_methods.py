@@ -1,0 +1,85 @@
+"""Every method on the llama.cpp engine (SmolLM2's GGUF) gives this engine's own greedy output, also with a
+middle drafter on the stock kernels; speculative sampling keeps the target's distribution. (A file of its
+own so that the test workers share the llama.cpp tests.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from treegraft.decoding import SamplingConfig
+from treegraft.decoding.sampling import target_distribution
+from treegraft.llama_cpp.check import one_token_logits
+
+from .test_llama_cpp import PROMPT, cache_dir, chat, smol  # noqa: F401  (module fixtures)
+from .test_tree_decoder import chi_square_pvalue
+
+METHODS = ["fixed", "all_mid", "all_small", "csd", "no_nondestructive", "no_expanded_selection", "all_call"]
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smol):
+    from treegraft.llama_cpp import llama_decoder_for
+
+    prompts = [chat(smol.tokenizer, p) for p in (PROMPT, "What is the capital of France?", "Write a haiku about rain.")]
+    ar = llama_decoder_for("ar", smol)
+    return prompts, [ar.generate(p, 32).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_equals_this_engines_greedy_decoding(smol, smol_reference, method, cache_dir):
+    from treegraft.llama_cpp import llama_decoder_for
+
+    prompts, want = smol_reference
+    dec = llama_decoder_for(method, smol, cache_dir=cache_dir)
+    for ids, ref in zip(prompts, want):
+        out = dec.generate(ids, 32)
+        assert out.tokens == ref, f"{method} diverged from ar at token {next(i for i, (x, y) in enumerate(zip(out.tokens, ref)) if x != y)}"
+        assert sum(t["accepted"] for t in out.turns) + len(out.turns) >= len(ref)
+
+
+def test_a_drafter_on_stock_kernels_still_gives_the_targets_output(smol, smol_reference, cache_dir):
+    """A middle drafter that disagrees with the target (the stock, batch-variant kernels) changes the
+    drafts, never the output."""
+    from treegraft.llama_cpp import LlamaPair, llama_decoder_for
+    from treegraft.llama_cpp.engine import GGUFModel
+
+    stock = GGUFModel(smol.middle.path, n_ctx=2048, n_seq=256, exact=False)
+    pair = LlamaPair(smol.target, stock, smol.tokenizer)
+    prompts, want = smol_reference
+    dec = llama_decoder_for("all_mid", pair, cache_dir=cache_dir)
+    for ids, ref in zip(prompts, want):
+        assert dec.generate(ids, 32).tokens == ref
+
+
+def test_speculative_sampling_on_llama_cpp_keeps_the_target_distribution(smol, cache_dir):
+    from treegraft.llama_cpp import llama_decoder_for
+
+    ids = smol.tokenizer("My favourite word is").input_ids  # a short prompt with a spread-out next token
+    probs = target_distribution(one_token_logits(smol.target, ids)[-1], SamplingConfig(temperature=1.0))
+    dec = llama_decoder_for("all_mid", smol, tree={"depth": 1, "top_m": 6, "budget": 8}, cache_dir=cache_dir,
+                            sampling=SamplingConfig(temperature=1.0))
+    samples = []
+    for seed in range(400):
+        dec.sampling.seed = seed  # each generate draws from a generator seeded afresh
+        samples.append(dec.generate(ids, 1).tokens[0])
+    assert chi_square_pvalue(samples, probs) > 1e-3
+
+
+def test_generate_on_llama_cpp_prints_the_same_text_for_every_method():
+    """`python -m treegraft.generate engine=llama_cpp`: a speculative method prints ar's text; a bad GGUF
+    path is one line."""
+    from .test_generate_cli import run_generate
+
+    args = ["pair=smollm2-135m__self", "engine=llama_cpp", "engine.threads=1", "prompt=List three prime numbers.",
+            "max_new_tokens=24"]
+    ar = run_generate(*args, "method=ar")
+    assert ar.returncode == 0, ar.stderr
+    assert "runtime=llama.cpp exact" in ar.stderr
+    for method in ("all_small", "all_mid"):
+        proc = run_generate(*args, f"method={method}")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == ar.stdout, method
+    bad = run_generate("pair=smollm2-135m__self", "engine=llama_cpp", "pair.target=/nonexistent/model.gguf",
+                       "prompt=hi", "max_new_tokens=2")
+    assert bad.returncode == 2
+    assert len(bad.stderr.strip().splitlines()) == 1 and "/nonexistent/model.gguf" in bad.stderr
