@@ -39,29 +39,75 @@ from treegraft.atomic import atomic_write_json, read_json
 from treegraft.config import CONF_DIR
 from treegraft.data import BENCHMARKS, BenchmarkConfig, format_prompt, load_benchmark
 from treegraft.decoding import GenerationResult
+from treegraft.llama_cpp import gguf_path
 from treegraft.machine import cpu_line
 from treegraft.paths import REPO_ROOT, default_benchmarks_dir, default_cache_dir, default_models_dir
 from treegraft.stats import bootstrap_weights, interval
 
-ENGINES = ("torch", "llama", "llama-stock")
+ENGINES = ("torch", "llama", "llama-stock", "tool")
 DEFAULT_METHODS = ["torch:ar", "llama:ar", "llama-stock:ar", "llama:all_small", "llama:all_mid", "llama:fixed",
                    "llama:csd", "llama-stock:all_small", "llama-stock:fixed"]
 
 
-def load_prompts(benchmarks, per_benchmark: int, offset: int, tokenizer, benchmarks_dir) -> list[tuple[str, int, list[int]]]:
+def load_prompts(benchmarks, per_benchmark: int, offset: int, tokenizer, benchmarks_dir) -> list[tuple[str, int, list[int], str]]:
     prompts = []
     for name in benchmarks:
         ds = load_benchmark(BenchmarkConfig(name=name, benchmarks_dir=benchmarks_dir, num_prompts=per_benchmark,
                                             offset=offset))
         for rec in ds:
-            ids = tokenizer(format_prompt(tokenizer, rec["turns"][0]), add_special_tokens=False).input_ids
-            prompts.append((name, rec["question_id"], ids))
+            text = format_prompt(tokenizer, rec["turns"][0])
+            prompts.append((name, rec["question_id"], tokenizer(text, add_special_tokens=False).input_ids, text))
     return prompts
 
 
 def result_to_json(r: GenerationResult) -> dict:
     return {"tokens": r.tokens, "prompt_tokens": r.prompt_tokens, "wall_time_s": r.wall_time_s,
-            "prefill_time_s": r.prefill_time_s, "stop_reason": r.stop_reason, "turns": r.turns}
+            "prefill_time_s": r.prefill_time_s, "stop_reason": r.stop_reason, "turns": r.turns,
+            "n_tokens": len(r.tokens), "decode_s": r.wall_time_s - r.prefill_time_s}
+
+
+class ToolPeer:
+    """Stock llama.cpp's own decoding on one prompt: ``llama-completion`` (plain) or
+    ``llama-speculative-simple --spec-type draft-simple | ngram-simple --spec-draft-n-max N``, the tools
+    built by scripts/bench_llamacpp.py from the same source package (stock build, AMX off where the CPU
+    has it). Their timings are decode only (after the prompt), as the tools print them."""
+
+    def __init__(self, spec: str, bins: Path, target: Path, draft: Path, threads: int, work: Path):
+        parts = spec.split(":")
+        self.kind, self.n_max = parts[0], int(parts[1]) if len(parts) > 1 else None
+        if self.kind not in ("plain", "draft-simple", "ngram-simple") or (self.kind != "plain") != (self.n_max is not None):
+            raise ValueError(f"tool method {spec!r}: expected plain, draft-simple:<n_max> or ngram-simple:<n_max>")
+        self.bins, self.target, self.draft, self.threads, self.work = bins, target, draft, threads, work
+
+    def generate(self, text: str, max_new_tokens: int) -> dict:
+        import re
+        import subprocess
+
+        prompt = self.work / "prompt.txt"
+        prompt.write_text(text)
+        common = ["-m", str(self.target), "-f", str(prompt), "-n", str(max_new_tokens), "--temp", "0",
+                  "-t", str(self.threads), "--seed", "0"]
+        if self.kind == "plain":
+            cmd = [str(self.bins / "llama-completion"), *common, "-no-cnv"]
+        else:
+            cmd = [str(self.bins / "llama-speculative-simple"), *common, "--spec-type", self.kind,
+                   "--spec-draft-n-max", str(self.n_max), *(["-md", str(self.draft)] if self.kind == "draft-simple" else [])]
+        start = time.perf_counter()
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        wall = time.perf_counter() - start
+        out = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            raise RuntimeError(f"{Path(cmd[0]).name} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")
+        if self.kind == "plain":
+            found = re.findall(r"eval time =\s*([\d.]+) ms /\s*(\d+) runs", out)
+            n, seconds = (int(found[-1][1]), float(found[-1][0]) / 1000) if found else (0, float("nan"))
+        else:
+            found = re.findall(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds", out)
+            n, seconds = (int(found[-1][0]), float(found[-1][1])) if found else (0, float("nan"))
+        if not n:
+            raise RuntimeError(f"{Path(cmd[0]).name}: no decode timing in its output")
+        return {"tokens": [], "n_tokens": n, "decode_s": seconds, "wall_time_s": wall, "prefill_time_s": wall - seconds,
+                "turns": []}
 
 
 def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tuple[dict, dict, object]:
@@ -75,6 +121,9 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
     pairs, decoders, facts = {}, {}, {"build": installed_build()}
     for method in methods:
         engine, name = method.split(":", 1)
+        if engine == "tool":
+            decoders[method] = ("tool", name)  # built by main once the tools are
+            continue
         if engine not in ENGINES:
             raise ValueError(f"method {method!r}: engine {engine!r} is not one of {', '.join(ENGINES)}")
         if engine == "torch":
@@ -127,13 +176,53 @@ def invariance_table(pair_cfg, args, console: Console) -> pd.DataFrame:
     return df
 
 
-def speedup(results: dict, method: str, reference: str, strata: list[str], weights: np.ndarray):
-    """tokens/s of ``method`` over tokens/s of ``reference`` on the same prompts, with its paired CI."""
-    tok_m = np.array([len(r["tokens"]) for r in results[method]], float)
-    t_m = np.array([r["wall_time_s"] for r in results[method]], float)
-    tok_r = np.array([len(r["tokens"]) for r in results[reference]], float)
-    t_r = np.array([r["wall_time_s"] for r in results[reference]], float)
-    return interval(lambda w: (w @ tok_m / (w @ t_m)) / (w @ tok_r / (w @ t_r)), weights, n=len(strata))
+def curve_table(pair_cfg, args, console: Console) -> pd.DataFrame:
+    """t(n) of one decode of n chained rows on a 256-token cache, exact against stock, both models
+    (median of 5 after a warm-up; treegraft.llama_cpp.costs)."""
+    from treegraft.llama_cpp import GGUFModel, gguf_path
+    from treegraft.llama_cpp.costs import engine_curve
+
+    sizes = (1, 2, 4, 8, 16, 32)
+    rows = []
+    for role, source in (("target", pair_cfg.target), ("middle", pair_cfg.middle)):
+        path = str(gguf_path(source, args.models_dir))
+        models = {exact: GGUFModel(path, n_ctx=1024, n_seq=8, threads=args.threads, exact=exact) for exact in (True, False)}
+        curves = {exact: {} for exact in models}
+        for _ in range(5):  # the modes alternate, so a slow patch of the machine hits both
+            for exact, model in models.items():
+                for n, sec in engine_curve(model, sizes=sizes, repeats=1, seed=len(curves[exact])).items():
+                    curves[exact].setdefault(n, []).append(sec)
+        for exact in models:
+            rows.append({"model": f"{role} {Path(path).name}", "mode": "exact" if exact else "stock",
+                         **{f"t{n}_ms": 1000 * float(np.median(curves[exact][n])) for n in sizes}})
+        for model in models.values():
+            model.close()
+    df = pd.DataFrame(rows)
+    for role in df["model"].unique():
+        ex, st = (df[(df["model"] == role) & (df["mode"] == m)].iloc[0] for m in ("exact", "stock"))
+        rows.append({"model": role, "mode": "exact / stock",
+                     **{c: ex[c] / st[c] for c in df.columns if c.startswith("t")}})
+    df = pd.DataFrame(rows)
+    console.print(f"t(n) ms, one decode of n rows after 256 cached tokens, {args.threads} threads, {cpu_line()}")
+    console.print(df.round(2).to_string(index=False))
+    return df
+
+
+def _tokens(r: dict) -> int:
+    return r.get("n_tokens", len(r["tokens"]))
+
+
+def _decode_s(r: dict) -> float:
+    return r.get("decode_s", r["wall_time_s"] - r["prefill_time_s"])
+
+
+def speedup(results: dict, method: str, reference: str, weights: np.ndarray, decode_only: bool = False):
+    """tokens/s of ``method`` over tokens/s of ``reference`` on the same prompts (end to end, or decode
+    only: after the prompt), with its paired bootstrap CI."""
+    seconds = _decode_s if decode_only else (lambda r: r["wall_time_s"])
+    tok_m, t_m, tok_r, t_r = (np.array([f(r) for r in results[k]], float)
+                              for k in (method, reference) for f in (_tokens, seconds))
+    return interval(lambda w: (w @ tok_m / (w @ t_m)) / (w @ tok_r / (w @ t_r)), weights, n=weights.shape[1])
 
 
 def main() -> int:
@@ -152,6 +241,7 @@ def main() -> int:
     parser.add_argument("--cache-dir", default=None)
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--no-resume", action="store_true")
+    parser.add_argument("--curves", action="store_true", help="first, exact vs stock t(n) for both models")
     parser.add_argument("--check-exact", action="store_true",
                         help="first, the batch-invariance check of both GGUF files in both modes")
     args = parser.parse_args()
@@ -175,6 +265,8 @@ def main() -> int:
     console.print(f"CPU: {cpu_line()}")
     out_dir = Path(args.out_dir or REPO_ROOT / "outputs" / "bench" / "llama" / args.pair)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.curves:
+        curve_table(pair_cfg, args, console).to_csv(out_dir / "curves.csv", index=False)
     if args.check_exact:
         invariance_table(pair_cfg, args, console).to_csv(out_dir / "invariance.csv", index=False)
     try:
@@ -192,8 +284,26 @@ def main() -> int:
         return 2
     console.print(f"{len(prompts)} prompts x {args.max_new_tokens} new tokens, interleaved prompt by prompt: "
                   f"{', '.join(methods)}")
-    for dec in decoders.values():  # warm-ups (and each tree decoder's measured cost curve) before any timing
-        dec.generate(prompts[0][2], 8)
+    tools = [m for m in methods if m.startswith("tool:")]
+    if tools:  # stock llama.cpp's own tools, built from the same source package (scripts/bench_llamacpp.py)
+        sys.path.insert(0, str(Path(__file__).parent))
+        import bench_llamacpp
+
+        root = REPO_ROOT / "outputs" / "llamacpp"
+        bins = bench_llamacpp.build(root, "0.3.36", 2)
+        files = [gguf_path(str(x), args.models_dir) for x in (pair_cfg.target, pair_cfg.middle)]
+        for m in tools:
+            decoders[m] = ToolPeer(m.split(":", 1)[1], bins, files[0], files[1], args.threads, out_dir)
+        facts["tools"] = str(bins)
+
+    def run_one(m: str, i: int, max_new_tokens: int) -> dict:
+        dec = decoders[m]
+        if isinstance(dec, ToolPeer):
+            return dec.generate(prompts[i][3], max_new_tokens)
+        return result_to_json(dec.generate(prompts[i][2], max_new_tokens))
+
+    for m in methods:  # warm-ups (and each tree decoder's measured cost curve) before any timing
+        run_one(m, 0, 8)
 
     runs = out_dir / "runs"
     key = {"prompts": hashlib.sha256(json.dumps([p[2] for p in prompts]).encode()).hexdigest()[:16],
@@ -209,52 +319,54 @@ def main() -> int:
         results = saved(i)
         for m in methods:
             if m not in results:
-                results[m] = result_to_json(decoders[m].generate(prompts[i][2], args.max_new_tokens))
+                results[m] = run_one(m, i, args.max_new_tokens)
         atomic_write_json({"key": key, "results": results}, runs / f"prompt_{i:03d}.json")
     wall = time.perf_counter() - start
 
     results = {m: [saved(i)[m] for i in range(len(prompts))] for m in methods}
-    strata = [b for b, _, _ in prompts]
+    strata = [p[0] for p in prompts]
     weights = bootstrap_weights(strata)
+    refs = {"x_llama_exact_ar": ("llama:ar", False), "x_llama_stock_ar": ("llama-stock:ar", False),
+            "x_torch_ar": ("torch:ar", False), "decode_x_tool_plain": ("tool:plain", True)}
+    refs = {c: ref for c, ref in refs.items() if ref[0] in results}
     rows = []
     for m in methods:
         engine, name = m.split(":", 1)
-        own_ar = "llama:ar" if engine == "torch" else f"{engine}:ar"
-        mism = sum(r["tokens"] != a["tokens"] for r, a in zip(results[m], results[own_ar]))
-        tokens = sum(len(r["tokens"]) for r in results[m])
-        seconds = sum(r["wall_time_s"] for r in results[m])
+        own_ar = {"torch": "llama:ar", "tool": None}.get(engine, f"{engine}:ar")
         turns = [t for r in results[m] for t in r["turns"]]
-        rows.append({
-            "method": m, "n_prompts": len(prompts), "tokens": tokens, "tokens_per_s": tokens / seconds,
-            "x_llama_exact_ar": speedup(results, m, "llama:ar", strata, weights),
-            "x_llama_stock_ar": (speedup(results, m, "llama-stock:ar", strata, weights)
-                                 if "llama-stock:ar" in results else None),
-            "x_torch_ar": speedup(results, m, "torch:ar", strata, weights) if "torch:ar" in results else None,
-            "mean_al": (sum(t["accepted"] for t in turns) + len(turns)) / len(turns) if turns else 1.0,
+        row = {"method": m, "n_prompts": len(prompts), "tokens": sum(_tokens(r) for r in results[m]),
+               "tokens_per_s": (sum(_tokens(r) for r in results[m]) / sum(r["wall_time_s"] for r in results[m])
+                                if engine != "tool" else float("nan")),
+               "decode_tokens_per_s": sum(_tokens(r) for r in results[m]) / sum(_decode_s(r) for r in results[m])}
+        for col, (ref, decode_only) in refs.items():  # a tool's end-to-end time includes loading the models
+            row[col] = speedup(results, m, ref, weights, decode_only) if decode_only or engine != "tool" else None
+        row.update({
+            "mean_al": (sum(t["accepted"] for t in turns) + len(turns)) / len(turns) if turns else float("nan"),
             "call_rate": (float(np.mean([np.mean(t["schedule"]) for t in turns if t.get("schedule")]))
                           if any(t.get("schedule") for t in turns) else 0.0),
-            f"differs_from_{own_ar}": f"{mism}/{len(prompts)}",
-            "cpu": cpu_line(), "threads": args.threads,
-        })
+            "differs_from_own_ar": (f"{sum(r['tokens'] != a['tokens'] for r, a in zip(results[m], results[own_ar]))}"
+                                    f"/{len(prompts)} vs {own_ar}" if own_ar else "-"),
+            "cpu": cpu_line(), "threads": args.threads})
+        rows.append(row)
     df = pd.DataFrame(rows)
     table = Table(title=f"{args.pair}: {len(prompts)} prompts x {args.max_new_tokens} tokens, interleaved, "
                         f"{args.threads} threads, on {cpu_line()} ({wall / 60:.1f} min)")
-    cols = ["method", "tokens_per_s", "x_llama_exact_ar", "x_llama_stock_ar", "x_torch_ar", "mean_al", "call_rate"]
-    for c in cols + ["differs from own ar"]:
+    cols = ["method", "tokens_per_s", "decode_tokens_per_s", *refs, "mean_al", "call_rate", "differs_from_own_ar"]
+    for c in cols:
         table.add_column(c)
     for r in rows:
-        diff = next(v for k, v in r.items() if k.startswith("differs_from_"))
         table.add_row(*[f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c] if r[c] is not None else "-")
-                        for c in cols], diff)
+                        for c in cols])
     console.print(table)
     per_bench = pd.DataFrame([{"method": m, "benchmark": b,
-                               "x_llama_exact_ar": speedup({k: [v[i] for i in idx] for k, v in results.items()}, m,
-                                                           "llama:ar", [b] * len(idx), bootstrap_weights([b] * len(idx))).format()}
-                              for m in methods for b in args.benchmarks
+                               "x": speedup({k: [v[i] for i in idx] for k, v in results.items()}, m, "llama:ar",
+                                            bootstrap_weights([b] * len(idx))).format()}
+                              for m in methods if not m.startswith("tool:") for b in args.benchmarks
                               for idx in [[i for i, s in enumerate(strata) if s == b]]])
-    console.print(per_bench.pivot(index="method", columns="benchmark", values="x_llama_exact_ar")[args.benchmarks].to_string())
+    console.print("end-to-end speedup over llama:ar per benchmark")
+    console.print(per_bench.pivot(index="method", columns="benchmark", values="x")[args.benchmarks].to_string())
     csv = df.copy()
-    for c in ("x_llama_exact_ar", "x_llama_stock_ar", "x_torch_ar"):
+    for c in refs:
         for part in ("value", "low", "high"):
             csv[f"{c}_{part}"] = [getattr(v, part) if v is not None else None for v in df[c]]
         csv = csv.drop(columns=c)
