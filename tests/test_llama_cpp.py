@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treegraft.llama_cpp.build import installed_build, patch_id
-from treegraft.llama_cpp.check import batch_invariance, one_token_logits
+from treegraft.llama_cpp.check import ar_logits, batch_invariance, one_token_logits
 
 
 def _require_llama_cpp():
@@ -97,11 +97,11 @@ def test_keep_moves_the_accepted_path_into_the_context(smol):
     engine.keep(L, [0, b, c])
     assert engine.context_len() == L + 3
     got = engine.step(500)
-    want = one_token_logits(model, ids + [200, 300, 500])[-1]
+    want = ar_logits(smol.middle, ids, [200, 300, 500])[-1]  # this engine's ar, on a context of its own
     assert torch.equal(got, want)
     engine.rollback(L)
     assert engine.context_len() == L
-    assert torch.equal(engine.step(ids[-1]), one_token_logits(model, ids)[-1])
+    assert torch.equal(engine.step(ids[-1]), ar_logits(smol.middle, ids, [])[-1])
 
 
 def test_the_targets_cache_after_many_turns_is_the_plain_decoding_of_the_text(smol, cache_dir):
@@ -121,7 +121,26 @@ def test_the_targets_cache_after_many_turns_is_the_plain_decoding_of_the_text(sm
     # the next root decoded on the kept cache equals the whole text decoded one token at a time (on the
     # middle drafter's context: the same file, exact, a cache of its own)
     got = dec.engine.step(root)
-    assert torch.equal(got, one_token_logits(smol.middle, text + [root])[-1])
+    assert torch.equal(got, ar_logits(smol.middle, ids, text[len(ids):] + [root])[-1])
+
+
+def test_a_full_cache_is_re_encoded_without_changing_the_output(smol, cache_dir):
+    """With few KV cells the buried tree cells run out and the target re-encodes its context (the
+    prompt's batches replayed as prefill ran them, the rest in exact batches) every few turns: the
+    output stays this engine's ar."""
+    from treegraft.llama_cpp import LlamaPair, llama_decoder_for
+    from treegraft.llama_cpp.engine import GGUFModel
+
+    ids = chat(smol.tokenizer, PROMPT)
+    want = llama_decoder_for("ar", smol).generate(ids, 48).tokens
+    small = GGUFModel(smol.target.path, n_ctx=len(ids) + 48 + 160, n_seq=256, threads=smol.target.threads)
+    clears = []
+    plain_clear = small.clear
+    small.clear = lambda: (clears.append(small.used), plain_clear())
+    dec = llama_decoder_for("all_mid", LlamaPair(small, smol.middle, smol.tokenizer), cache_dir=cache_dir)
+    out = dec.generate(ids, 48)
+    assert out.tokens == want
+    assert len(clears) >= 3, f"expected re-encodes (clears of a used cache at {clears})"  # prefill + 2 or more
 
 
 def test_drafter_snapshot_and_restore_branch_from_the_same_state(smol):
@@ -130,6 +149,7 @@ def test_drafter_snapshot_and_restore_branch_from_the_same_state(smol):
 
     ids = chat(smol.tokenizer, PROMPT)
     drafter = LlamaCppDrafter(smol.middle)
+    drafter.fast_rows = len(ids)  # the prompt in exact kernels too, so the scores compare with one-token decoding
     drafter.reset(ids)
     tree = DraftTree.with_root(ids[-1])
     a = tree.add_child(0, 100, -1.0, 0, 0)

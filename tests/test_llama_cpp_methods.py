@@ -8,7 +8,7 @@ import pytest
 
 from treegraft.decoding import SamplingConfig
 from treegraft.decoding.sampling import target_distribution
-from treegraft.llama_cpp.check import one_token_logits
+from treegraft.llama_cpp.check import ar_logits
 
 from .test_llama_cpp import PROMPT, cache_dir, chat, smol  # noqa: F401  (module fixtures)
 from .test_tree_decoder import chi_square_pvalue
@@ -55,7 +55,7 @@ def test_speculative_sampling_on_llama_cpp_keeps_the_target_distribution(smol, c
     from treegraft.llama_cpp import llama_decoder_for
 
     ids = smol.tokenizer("My favourite word is").input_ids  # a short prompt with a spread-out next token
-    probs = target_distribution(one_token_logits(smol.target, ids)[-1], SamplingConfig(temperature=1.0))
+    probs = target_distribution(ar_logits(smol.target, ids, [])[-1], SamplingConfig(temperature=1.0))
     dec = llama_decoder_for("all_mid", smol, tree={"depth": 1, "top_m": 6, "budget": 8}, cache_dir=cache_dir,
                             sampling=SamplingConfig(temperature=1.0))
     samples = []

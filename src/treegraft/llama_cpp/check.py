@@ -14,11 +14,11 @@ import torch
 from ..tree import DraftTree, build_tree_inputs
 from .engine import GGUFModel, LlamaCppTarget
 
-__all__ = ["InvarianceResult", "batch_invariance", "one_token_logits"]
+__all__ = ["InvarianceResult", "batch_invariance", "one_token_logits", "ar_logits"]
 
 
 def one_token_logits(model: GGUFModel, tokens: list[int]) -> list[torch.Tensor]:
-    """Each token decoded alone after its prefix, from a cleared cache (the reference)."""
+    """Each token decoded alone after its prefix, from a cleared cache, every one in exact kernels."""
     model.clear()
     out = []
     for pos, tok in enumerate(tokens):
@@ -27,12 +27,20 @@ def one_token_logits(model: GGUFModel, tokens: list[int]) -> list[torch.Tensor]:
     return out
 
 
+def ar_logits(model: GGUFModel, prompt: list[int], continuation: list[int]) -> list[torch.Tensor]:
+    """This engine's ``ar``: the prompt prefilled as the target engine does it (all but its last
+    token), then ``prompt[-1]`` and each continuation token decoded alone; their logits."""
+    engine = LlamaCppTarget(model)
+    engine.prefill(prompt, 1, None)
+    return [engine.step(t) for t in [prompt[-1], *continuation]]
+
+
 class _Reference:
-    """One-token decoding on a second context of the same file, its prefix decoded once."""
+    """One-token decoding on a second context of the same file, its prefix prefilled as the engine does."""
 
     def __init__(self, model: GGUFModel, prefix: list[int]):
         self.model, self.n = model, len(prefix)
-        one_token_logits(model, prefix)
+        LlamaCppTarget(model).prefill([*prefix, 0], 1, None)  # encodes prefix (a prompt's last token is the root)
 
     def tree(self, tree: DraftTree) -> list[torch.Tensor]:
         """Logits of every node after the prefix + its root-to-node path, each token decoded alone: depth

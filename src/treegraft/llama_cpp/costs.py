@@ -34,6 +34,7 @@ def engine_curve(model: GGUFModel, sizes=(1, 2, 4, 8, 16), context: int = 256, r
     import random
 
     rng = random.Random(seed)
+    context = max(0, min(context, model.n_ctx - max(sizes)))  # a small cache: a shorter context
     model.clear()
     prefix = [rng.randrange(model.n_vocab) for _ in range(context)]
     for start in range(0, context, model.n_batch):
@@ -48,6 +49,7 @@ def engine_curve(model: GGUFModel, sizes=(1, 2, 4, 8, 16), context: int = 256, r
             if i:  # the first run is a warm-up
                 times.append(elapsed)
             model.seq_rm(0, context, -1)
+            model.used -= n  # freed for reuse: timing only, so the cells' order does not matter here
         curve[n] = statistics.median(times)
     model.clear()
     return curve

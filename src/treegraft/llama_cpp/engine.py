@@ -145,8 +145,10 @@ class GGUFModel:
     def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
         self.lib.llama_memory_seq_rm(self.mem, seq, p0, p1)
 
-    def decode(self, tokens: list[int], positions: list[int], seqs: list[list[int]], logits: list[bool]) -> float:
-        """One ``llama_decode`` of these rows; returns its seconds."""
+    def decode(self, tokens: list[int], positions: list[int], seqs: list[list[int]], logits: list[bool],
+               fast: bool = False) -> float:
+        """One ``llama_decode`` of these rows; returns its seconds. ``fast``: the stock kernels for this
+        batch even on an exact model (a prompt: see :meth:`LlamaCppTarget.prefill`)."""
         n = len(tokens)
         if n > self.n_batch:
             raise LlamaCppError(f"batch of {n} rows exceeds n_batch {self.n_batch}")
@@ -162,7 +164,7 @@ class GGUFModel:
         if n > self.free_cells():
             raise LlamaCppError(f"KV cache full: {n} rows with {self.free_cells()} of {self.n_ctx} cells free; "
                                 f"raise engine.n_ctx")
-        set_batch_invariant(self.exact)
+        set_batch_invariant(self.exact and not fast)
         start = time.perf_counter()
         rc = self.lib.llama_decode(self.ctx, b)
         elapsed = time.perf_counter() - start
@@ -170,18 +172,6 @@ class GGUFModel:
             raise LlamaCppError(f"llama_decode returned {rc} for a batch of {n} rows")
         self.used += n
         return elapsed
-
-    def prefill(self, tokens: list[int], want_logits: bool = False) -> list[torch.Tensor]:
-        """Decode ``tokens`` into seq 0 from position 0 of a cleared cache, in batches of ``n_batch``;
-        every position's logits with ``want_logits``."""
-        self.clear()
-        out = []
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start:start + self.n_batch]
-            self.decode(chunk, list(range(start, start + len(chunk))), [[0]] * len(chunk), [want_logits] * len(chunk))
-            if want_logits:
-                out += [self.logits(i) for i in range(len(chunk))]
-        return out
 
     def logits(self, i: int) -> torch.Tensor:
         """float32 logits [vocab] of batch row ``i`` of the last decode (a copy)."""
@@ -237,12 +227,14 @@ class LlamaCppTarget:
 
     device = torch.device("cpu")
     reserve = 128  # cells kept free for a tree: the context window is n_ctx minus this
+    fast_prompt = True  # the prompt through the stock kernels (see prefill)
 
     def __init__(self, model: GGUFModel, frequent=None):
         """``frequent(k, vocab_size)``: the ``k`` most frequent token ids (the prefill's restricted vocabulary)."""
         self.model = model
         self._frequent = frequent
         self.tokens: list[int] = []  # the committed context, in the cache's seq 0
+        self._prompt_len = 0  # its first tokens, encoded by prefill
         self._leaf_seqs: list[int] = []
         self._first_seq: list[int] = []
         self._tree_tokens: list[int] = []
@@ -253,11 +245,18 @@ class LlamaCppTarget:
 
     def prefill(self, prompt_ids: list[int], top_m: int, vocab: int | None) -> tuple[torch.Tensor, torch.Tensor]:
         """With ``vocab`` = K the scores are a log-softmax over the K most frequent tokens plus the
-        prompt's own, as on the PyTorch engine (llama.cpp computes the full head; the subset is read from it)."""
+        prompt's own, as on the PyTorch engine (llama.cpp computes the full head; the subset is read from it).
+
+        The prompt is encoded with the stock fast kernels even on an exact model (``fast_prompt``): its
+        KV is then a deterministic function of the prompt, the same for ``ar`` and for every method, and
+        exactness is needed only from the first decoded token on. (Batch-invariant kernels run a
+        512-token prompt through the slow reference path: on a Zen 3 EPYC that was half of a 64-token
+        generation's time.)"""
         m = self.model
         m.clear()
         self._leaf_seqs = []
         self.tokens = list(prompt_ids[:-1])
+        self._prompt_len = len(self.tokens)
         if not self.tokens:
             return torch.zeros(0, top_m, dtype=torch.long), torch.zeros(0, top_m)
         ids = None
@@ -266,24 +265,41 @@ class LlamaCppTarget:
                 self._prefill_base = self._frequent(int(vocab), m.n_vocab)
             ids = torch.unique(torch.cat([self._prefill_base, torch.tensor(prompt_ids, dtype=torch.long)]))
         out_ids, out_lps = [], []
-        for start in range(0, len(self.tokens), m.n_batch):  # [n_batch, V] logits at a time
-            chunk = self.tokens[start:start + m.n_batch]
-            m.decode(chunk, list(range(start, start + len(chunk))), [[0]] * len(chunk), [True] * len(chunk))
-            for i in range(len(chunk)):
+        for rows in self._encode_prompt():
+            for i in range(rows):
                 logp = _subset_log_softmax(m.logits(i), ids)
                 v, j = logp.topk(min(top_m, logp.shape[-1]))
                 out_ids.append(j if ids is None else ids[j])
                 out_lps.append(v)
         return torch.stack(out_ids), torch.stack(out_lps)
 
+    def _encode_prompt(self):
+        """Decode the prompt part of the context into a cleared cache, ``n_batch`` rows at a time, every
+        row's logits requested; yields each batch's row count (its logits are readable until the next).
+        :meth:`_make_room` replays exactly these batches, so the prompt's KV comes out the same bits."""
+        m = self.model
+        for start in range(0, self._prompt_len, m.n_batch):
+            chunk = self.tokens[start:min(start + m.n_batch, self._prompt_len)]
+            m.decode(chunk, list(range(start, start + len(chunk))), [[0]] * len(chunk), [True] * len(chunk),
+                     fast=self.fast_prompt)
+            yield len(chunk)
+
     def context_len(self) -> int:
         return len(self.tokens)
 
     def _make_room(self, n: int) -> None:
         """Re-encode the committed context into a cleared cache when fewer than ``n`` cells are free
-        (buried cells are reclaimed only this way; batches are exact, so nothing changes but the cost)."""
-        if self.model.free_cells() < n:
-            self.model.prefill(self.tokens)
+        (buried cells are reclaimed only this way): the prompt's batches replayed as they were, the rest
+        in exact batches, so nothing changes but the cost."""
+        m = self.model
+        if m.free_cells() >= n:
+            return
+        m.clear()
+        for _ in self._encode_prompt():
+            pass
+        for start in range(self._prompt_len, len(self.tokens), m.n_batch):
+            chunk = self.tokens[start:start + m.n_batch]
+            m.decode(chunk, list(range(start, start + len(chunk))), [[0]] * len(chunk), [False] * len(chunk))
 
     def forward_tree(self, inputs: TreeInputs) -> LlamaTreeForward:
         n = inputs.size
@@ -341,6 +357,7 @@ class LlamaCppDrafter:
     :meth:`commit` keeps the encoded prefix of the accepted path and queues the rest as pending."""
 
     reserve = 256  # free cells a turn may take; below that, the next call re-encodes the context
+    fast_rows = 32  # a call that catches up on more context rows than this (the prompt) takes the stock kernels
 
     def __init__(self, model: GGUFModel, draft_vocab: torch.Tensor | None = None):
         self.model = model
@@ -429,7 +446,8 @@ class LlamaCppDrafter:
         tokens = self.pending + [tree.token[n] for n in new_nodes]
         positions = list(range(self.committed, ctx)) + [ctx + tree.depth[n] for n in new_nodes]
         rows = [[0, *on_context]] * p + [[seqs[n], *desc[n]] for n in new_nodes]
-        m.decode(tokens, positions, rows, [False] * p + [True] * len(new_nodes))
+        # the drafter's logits only steer the drafts, never the output: a long catch-up may take fast kernels
+        m.decode(tokens, positions, rows, [False] * p + [True] * len(new_nodes), fast=p > self.fast_rows)
         for i, n in enumerate(new_nodes):
             self._row_logits[n] = m.logits(p + i)
         self.tokens_encoded += len(tokens)
