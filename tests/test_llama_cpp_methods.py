@@ -83,3 +83,14 @@ def test_generate_on_llama_cpp_prints_the_same_text_for_every_method():
                        "prompt=hi", "max_new_tokens=2")
     assert bad.returncode == 2
     assert len(bad.stderr.strip().splitlines()) == 1 and "/nonexistent/model.gguf" in bad.stderr
+
+
+def test_a_prompt_longer_than_a_batch_is_caught_up_in_several(smol, cache_dir):
+    """A prompt of more than n_batch (512) tokens: the target prefills it in batches and the middle
+    drafter catches up in batches before its first call's nodes; the output is ar's."""
+    from treegraft.llama_cpp import llama_decoder_for
+
+    ids = smol.tokenizer("Repeat after me: " + " ".join(f"item{i}" for i in range(150))).input_ids
+    assert len(ids) > smol.middle.n_batch
+    want = llama_decoder_for("ar", smol).generate(ids, 24).tokens
+    assert llama_decoder_for("all_mid", smol, cache_dir=cache_dir).generate(ids, 24).tokens == want

@@ -446,10 +446,19 @@ class LlamaCppDrafter:
         tokens = self.pending + [tree.token[n] for n in new_nodes]
         positions = list(range(self.committed, ctx)) + [ctx + tree.depth[n] for n in new_nodes]
         rows = [[0, *on_context]] * p + [[seqs[n], *desc[n]] for n in new_nodes]
+        logits = [False] * p + [True] * len(new_nodes)
         # the drafter's logits only steer the drafts, never the output: a long catch-up may take fast kernels
-        m.decode(tokens, positions, rows, [False] * p + [True] * len(new_nodes), fast=p > self.fast_rows)
+        fast = p > self.fast_rows
+        # batches of at most n_batch rows, the new nodes in the last (a long prompt is caught up first)
+        last = max(0, len(tokens) - m.n_batch)
+        if len(new_nodes) > m.n_batch:
+            raise LlamaCppError(f"middle drafter call of {len(new_nodes)} nodes exceeds n_batch {m.n_batch}")
+        for start in range(0, last, m.n_batch):
+            end = min(start + m.n_batch, last)
+            m.decode(tokens[start:end], positions[start:end], rows[start:end], logits[start:end], fast=fast)
+        m.decode(tokens[last:], positions[last:], rows[last:], logits[last:], fast=fast)
         for i, n in enumerate(new_nodes):
-            self._row_logits[n] = m.logits(p + i)
+            self._row_logits[n] = m.logits(p - last + i)
         self.tokens_encoded += len(tokens)
         self.tokens += self.pending
         self.committed, self.pending = ctx, []
