@@ -90,7 +90,7 @@ def test_a_prompt_longer_than_a_batch_is_caught_up_in_several(smol, cache_dir):
     drafter catches up in batches before its first call's nodes; the output is ar's."""
     from treegraft.llama_cpp import llama_decoder_for
 
-    ids = smol.tokenizer("Repeat after me: " + " ".join(f"item{i}" for i in range(150))).input_ids
+    ids = smol.tokenizer("Repeat after me: " + " ".join(f"item{i}" for i in range(200))).input_ids
     assert len(ids) > smol.middle.n_batch
     want = llama_decoder_for("ar", smol).generate(ids, 24).tokens
     assert llama_decoder_for("all_mid", smol, cache_dir=cache_dir).generate(ids, 24).tokens == want
