@@ -133,14 +133,16 @@ def test_a_full_cache_is_re_encoded_without_changing_the_output(smol, cache_dir)
 
     ids = chat(smol.tokenizer, PROMPT)
     want = llama_decoder_for("ar", smol).generate(ids, 48).tokens
-    small = GGUFModel(smol.target.path, n_ctx=len(ids) + 48 + 160, n_seq=256, threads=smol.target.threads)
+    # room for the text and one tree beyond it (the window is n_ctx - 128); 33 rows verified a turn
+    small = GGUFModel(smol.target.path, n_ctx=len(ids) + 48 + 136, n_seq=64, threads=smol.target.threads)
     clears = []
     plain_clear = small.clear
     small.clear = lambda: (clears.append(small.used), plain_clear())
-    dec = llama_decoder_for("all_mid", LlamaPair(small, smol.middle, smol.tokenizer), cache_dir=cache_dir)
+    dec = llama_decoder_for("all_mid", LlamaPair(small, smol.middle, smol.tokenizer), tree={"budget": 32},
+                            cache_dir=cache_dir)
     out = dec.generate(ids, 48)
     assert out.tokens == want
-    assert len(clears) >= 3, f"expected re-encodes (clears of a used cache at {clears})"  # prefill + 2 or more
+    assert len(clears) >= 2, f"expected a re-encode (clears of a used cache at {clears})"  # prefill + 1 or more
 
 
 def test_drafter_snapshot_and_restore_branch_from_the_same_state(smol):
