@@ -123,13 +123,7 @@ class MiddleDrafter:
         ``need_logprobs`` defaults to ``nodes``. Log-probabilities are float32 log-softmax rows.
         """
         need = list(nodes if need_logprobs is None else need_logprobs)
-        todo: set[int] = set()
-        for node in nodes:
-            n = node
-            while n >= 0 and n not in self.slot_of and n not in todo:
-                todo.add(n)
-                n = tree.parent[n]
-        new_nodes = sorted(todo)  # id order = parents first
+        new_nodes = tree.closure_missing(nodes, self.slot_of)
         if new_nodes or self.pending:
             self._forward(tree, new_nodes)
             self.calls += 1

@@ -475,15 +475,10 @@ class LlamaCppDrafter:
         """Encode ``nodes`` (and unencoded ancestors); fill ``self.logprobs`` for ``need_logprobs``
         (default ``nodes``)."""
         need = list(nodes if need_logprobs is None else need_logprobs)
-        todo: set[int] = set()
-        for node in nodes:
-            n = node
-            while n >= 0 and n not in self.seq_of and n not in todo:
-                todo.add(n)
-                n = tree.parent[n]
+        todo = tree.closure_missing(nodes, self.seq_of)
         start = time.perf_counter()
         if todo or self.pending:
-            self._decode_rows(sorted(todo), tree)  # id order = parents first
+            self._decode_rows(todo, tree)
             self.calls += 1
         for n in need:
             if n not in self.logprobs:

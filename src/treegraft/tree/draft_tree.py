@@ -104,6 +104,17 @@ class DraftTree:
         out.reverse()
         return out
 
+    def closure_missing(self, nodes, have) -> list[int]:
+        """``nodes`` and their ancestors that are not in ``have`` (a drafter's encoded nodes), in id
+        order (parents first): what a drafter must encode to score ``nodes``."""
+        todo: set[int] = set()
+        for node in nodes:
+            n = node
+            while n >= 0 and n not in have and n not in todo:
+                todo.add(n)
+                n = self.parent[n]
+        return sorted(todo)
+
     def subtree(self, node: int) -> list[int]:
         """``node`` and every alive descendant, parents before children."""
         out, stack = [], [node]
