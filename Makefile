@@ -62,7 +62,7 @@ $(VENV)/.kernels: $(VENV)/.deps $(KERNEL_SOURCES) scripts/build_kernels.py
 
 # llama-cpp-python built from its source package with the batch-invariance patch, AMX off, library only
 # (engine=llama_cpp; src/treegraft/llama_cpp/build.py says why each option). A failed build is one line.
-$(VENV)/.llamacpp: $(VENV)/.deps src/treegraft/llama_cpp/build.py
+$(VENV)/.llamacpp: $(VENV)/.deps src/treegraft/llama_cpp/build.py $(wildcard src/treegraft/llama_cpp/patches/*.c)
 	$(VPY) -m treegraft.llama_cpp.build
 	touch $@
 

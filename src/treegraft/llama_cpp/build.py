@@ -66,6 +66,37 @@ bool ggml_cpu_get_batch_invariant(void) {
 
 GGML = "vendor/llama.cpp/ggml/"
 
+# the column-group loop of a batch-invariant matrix product (inserted into ggml_compute_forward_mul_mat_one_chunk)
+_MULTI_LOOP_C = """
+    // treegraft: batch-invariant mode takes the type's multi-column kernel where there is one (2-D case)
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+    ggml_vec_dot_multi_t const vec_dot_multi = (params->use_ref && num_rows_per_vec_dot == 1 && ne12 == 1 && ne13 == 1)
+        ? ggml_vec_dot_multi_for(type) : NULL;
+#else
+    ggml_vec_dot_multi_t const vec_dot_multi = NULL;
+#endif
+    if (vec_dot_multi) {
+        for (int64_t iir1 = ir1_start; iir1 < ir1_end; iir1 += blck_1) {
+            const int64_t end1 = MIN(iir1 + blck_1, ir1_end);
+            for (int64_t iir0 = ir0_start; iir0 < ir0_end; iir0 += blck_0) {
+                const int64_t end0 = MIN(iir0 + blck_0, ir0_end);
+                const char * src1_col = (const char *) wdata + iir1 * src1_col_stride;
+                float * dst_col = (float *) ((char *) dst->data + iir1 * nb1);
+                for (int64_t ir0 = iir0; ir0 < end0; ++ir0) {
+                    vec_dot_multi(ne00, dst_col + ir0, nb1, (const char *) src0->data + ir0 * nb01,
+                                  src1_col, src1_col_stride, (int) (end1 - iir1));
+                }
+            }
+        }
+        return;
+    }
+"""
+
+# files appended whole to a file of the source package (path in the package, file beside this module)
+APPENDS: list[tuple[str, str]] = [
+    (GGML + "src/ggml-cpu/arch/x86/quants.c", "patches/multicol_x86.c"),
+]
+
 # (file in the source package, anchor text, replacement); each anchor must occur exactly once.
 PATCHES: list[tuple[str, str, str]] = [
     # llama-cpp-python forces llama.cpp's `common` library on, which only its tools and the multimodal
@@ -78,7 +109,9 @@ PATCHES: list[tuple[str, str, str]] = [
      "    GGML_BACKEND_API bool    ggml_is_numa(void); // true if init detected that system has >1 NUMA node\n"
      "    // treegraft: batch-invariant mode (reference paths, no llamafile sgemm) for every op from now on\n"
      "    GGML_BACKEND_API void    ggml_cpu_set_batch_invariant(bool on);\n"
-     "    GGML_BACKEND_API bool    ggml_cpu_get_batch_invariant(void);\n"),
+     "    GGML_BACKEND_API bool    ggml_cpu_get_batch_invariant(void);\n"
+     "    // treegraft: outputs of the multi-column kernel of `type` whose bits differ from vec_dot's (-1: none)\n"
+     "    GGML_BACKEND_API int     ggml_cpu_treegraft_multicol_check(enum ggml_type type, int n, int rows, int nc, uint32_t seed);\n"),
     (GGML + "src/ggml-cpu/ggml-cpu.c",
      "static bool ggml_cpu_disable_fusion = false;",
      _SWITCH_C + "\nstatic bool ggml_cpu_disable_fusion = false;"),
@@ -91,6 +124,20 @@ PATCHES: list[tuple[str, str, str]] = [
     (GGML + "src/ggml-cpu/ggml-cpu.c",
      "#if GGML_USE_LLAMAFILE\n    if (src1->type != vec_dot_type) {\n",
      "#if GGML_USE_LLAMAFILE\n    if (src1->type != vec_dot_type && !params->use_ref) {\n"),
+    # the multi-column kernels (patches/multicol_x86.c, appended to the x86 quants) and their use: in
+    # batch-invariant mode a plain 2-D matrix product of a type that has one shares each weight row across
+    # up to 4 columns; every output keeps the bits vec_dot gives it alone
+    (GGML + "src/ggml-cpu/quants.h",
+     "// Dot product\n",
+     "// treegraft: one weight row against nc <= 16 activation columns (outputs s + c*bs, columns vy + c*by);\n"
+     "// each output has the bits the type's vec_dot gives that column alone\n"
+     "typedef void (*ggml_vec_dot_multi_t)(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,\n"
+     "                                     const void * GGML_RESTRICT vy, size_t by, int nc);\n"
+     "ggml_vec_dot_multi_t ggml_vec_dot_multi_for(enum ggml_type type);\n\n"
+     "// Dot product\n"),
+    (GGML + "src/ggml-cpu/ggml-cpu.c",
+     "    float tmp[32];\n",
+     "    float tmp[32];\n" + _MULTI_LOOP_C),
     (GGML + "src/ggml-cpu/ggml-cpu.c",
      "            const char * env = getenv(\"GGML_CPU_DISABLE_FUSION\");\n",
      "            const char * inv = getenv(\"GGML_CPU_BATCH_INVARIANT\");\n"
@@ -105,9 +152,13 @@ class BuildError(RuntimeError):
     pass
 
 
+def _appended(name: str) -> str:
+    return (Path(__file__).parent / name).read_text()
+
+
 def patch_id() -> str:
     """A short digest of the build options and the patch set (recorded with every result)."""
-    text = json.dumps([VERSION, CMAKE_ARGS, PATCHES])
+    text = json.dumps([VERSION, CMAKE_ARGS, PATCHES, [(rel, _appended(name)) for rel, name in APPENDS]])
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
@@ -119,6 +170,9 @@ def apply_patches(source_dir: Path) -> None:
             raise BuildError(f"patch anchor not found exactly once in {rel} (llama-cpp-python {VERSION} expected): "
                              f"{anchor.strip().splitlines()[0]!r}")
         path.write_text(text.replace(anchor, new))
+    for rel, name in APPENDS:
+        path = source_dir / rel
+        path.write_text(path.read_text() + _appended(name))
 
 
 def _run(cmd: list[str], what: str, env: dict | None = None, log: Path | None = None) -> None:
