@@ -56,6 +56,33 @@ def test_the_installed_build_is_the_patched_one():
     assert stamp["version"] == "0.3.36"
 
 
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_1"])
+def test_multi_column_kernels_give_each_column_the_bits_of_vec_dot(type_name):
+    """The batch-invariant matrix product shares each weight row across up to 16 columns; every output must
+    be bit for bit the one-column dot product (random rows, widths with a partial last unpack chunk, every
+    column count). Qwen's Q4_K / Q6_K are checked here because CI's model (SmolLM2) has none."""
+    import platform
+
+    _require_llama_cpp()
+    from treegraft.llama_cpp.engine import multicol_check
+
+    block = 256 if type_name.endswith("_K") else 32
+    results = {(n, nc): multicol_check(type_name, n, rows=5, columns=nc, seed=n + nc)
+               for n in (block, 6 * block, 35 * block if block == 256 else 70 * block)
+               for nc in (1, 2, 3, 4, 7, 16)}
+    if all(r is None for r in results.values()):
+        assert platform.machine().lower() not in ("x86_64", "amd64") or not _has_avx2(), "no multi-column kernel on an AVX2 CPU"
+        pytest.skip("no multi-column kernel on this CPU (vec_dot per column)")
+    assert results == {key: 0 for key in results}
+
+
+def _has_avx2() -> bool:
+    try:
+        return " avx2" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
 @pytest.mark.parametrize("context", [40, 530])  # KV below and above 512 cells (flash attention's split-KV path)
 def test_chains_and_trees_in_one_batch_equal_one_token_decoding(smol, context):
     """The target prefills in batches of up to 512 rows, then verifies chains of 2..8 and random trees of

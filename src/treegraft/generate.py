@@ -77,25 +77,15 @@ def run(cfg: DictConfig) -> int:
 
     from .decoding import SamplingConfig
     from .decoding.factory import LEARNED_METHODS, load_learned_scheduler
-    from .decoding.factory import build_decoder
-    from .models import load_pair_from_settings
+    from .llama_cpp.select import engine_decoder, load_engine_pair
 
     text = read_prompt(cfg)
     if not text.strip():
         raise ValueError("empty prompt: give a non-empty prompt or prompt_file")
     spec = instantiate(cfg.pair)
     method = cfg.method.name
-    if cfg.engine.name == "llama_cpp":
-        from .llama_cpp import llama_decoder_for, load_llama_pair
-
-        # a self-draft pair's drafter is the target's layer prefix, which llama.cpp cannot run: the whole
-        # file drafts (as a separate context)
-        pair = load_llama_pair(spec.target, spec.middle or spec.target, threads=cfg.engine.threads, exact=cfg.engine.exact,
-                               n_ctx=cfg.engine.n_ctx, models_dir=cfg.paths.models_dir)
-        runtime = f"llama.cpp {'exact' if cfg.engine.exact else 'stock'}"
-    else:
-        pair = load_pair_from_settings(spec, cfg, log=lambda line: print(line, file=sys.stderr))
-        runtime = pair.runtime
+    pair = load_engine_pair(spec, cfg, log=lambda line: print(line, file=sys.stderr))
+    runtime = pair.runtime
     tokenizer = pair.tokenizer
     prompt = format_prompt(tokenizer, text) if cfg.chat_template else text
     prompt_ids = tokenizer(prompt, add_special_tokens=not cfg.chat_template).input_ids
@@ -104,10 +94,7 @@ def run(cfg: DictConfig) -> int:
 
     scheduler = load_learned_scheduler(method, cfg.method.artifacts) if method in LEARNED_METHODS else None
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
-    if cfg.engine.name == "llama_cpp":
-        decoder = llama_decoder_for(method, pair, tree, sampling, scheduler, cfg.paths.cache_dir)
-    else:
-        decoder = build_decoder(method, pair, tree, sampling, scheduler, cfg.paths.cache_dir)
+    decoder = engine_decoder(method, pair, tree, sampling, scheduler, cfg.paths.cache_dir)
     if scheduler is not None:  # the learned policy's runtime context (ms per target / middle forward)
         decoder.warm_up(prompt_ids, 4)
     stream = TextStream(tokenizer) if cfg.stream else None

@@ -68,22 +68,24 @@ def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: fl
 
 
 def build_decoder(method: str, pair: LoadedPair, tree: dict | None = None, sampling: SamplingConfig | None = None,
-                  scheduler=None, cache_dir: str | Path | None = None):
+                  scheduler=None, cache_dir: str | Path | None = None, eager_middle_prefill: bool = False):
     """A decoder with ``.generate(prompt_ids, max_new_tokens) -> GenerationResult`` for ``method`` on a
     loaded pair (:func:`decoder_for` with the pair's models and tokenizer)."""
-    return decoder_for(method, pair.target, pair.middle, pair.tokenizer, tree, sampling, scheduler, cache_dir=cache_dir)
+    return decoder_for(method, pair.target, pair.middle, pair.tokenizer, tree, sampling, scheduler, cache_dir=cache_dir,
+                       eager_middle_prefill=eager_middle_prefill)
 
 
 def decoder_for(method: str, target, middle, tokenizer=None, tree: dict | None = None,
                 sampling: SamplingConfig | None = None, scheduler=None, eos_ids: set[int] | None = None,
-                cache_dir: str | Path | None = None):
+                cache_dir: str | Path | None = None, eager_middle_prefill: bool = False):
     """The one method dispatch: a decoder for ``method`` over ``target`` and ``middle`` (None where the
     method never calls one).
 
     ``treegraft`` / ``direct_planner`` need ``scheduler`` (see :func:`load_learned_scheduler`); they
     run the shared tree with that policy deciding every step. ``eos_ids``: the ids that end generation
     (default: the target's and the tokenizer's). ``cache_dir``: where ``budget=auto`` caches the
-    verification curve (default: :func:`treegraft.paths.default_cache_dir`).
+    verification curve (default: :func:`treegraft.paths.default_cache_dir`). ``eager_middle_prefill``: the
+    tree decoders encode the prompt into the middle drafter at prefill (schedule enumeration wants it).
     """
     sampling = sampling or SamplingConfig()
     eos = eos_token_ids(target, tokenizer) if eos_ids is None else set(eos_ids)
@@ -93,10 +95,10 @@ def decoder_for(method: str, target, middle, tokenizer=None, tree: dict | None =
         if scheduler is None:
             raise ValueError(f"method {method} needs its learned scheduler (load_learned_scheduler)")
         return TreeGraftDecoder(target, middle, tokenizer, tree_config_from("fixed", tree), sampling, eos,
-                                scheduler=scheduler, cache_dir=cache_dir)
+                                scheduler=scheduler, cache_dir=cache_dir, eager_middle_prefill=eager_middle_prefill)
     if method in METHOD_PRESETS:
         return TreeGraftDecoder(target, middle, tokenizer, tree_config_from(method, tree), sampling, eos,
-                                cache_dir=cache_dir)
+                                cache_dir=cache_dir, eager_middle_prefill=eager_middle_prefill)
     if method == "hf_assisted":
         return HFAssistedDecoder(target, middle, eos, sampling)
     if method == "hf_prompt_lookup":

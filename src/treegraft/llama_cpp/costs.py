@@ -25,7 +25,10 @@ def model_key(model: GGUFModel) -> str:
     path = Path(model.path)
     digest = hashlib.sha256(f"{path.name}|{path.stat().st_size}".encode()).hexdigest()[:12]
     mode = "exact" if model.exact else "stock"
-    return f"{cpu_line()} | llama.cpp {mode} | {model.threads} threads | {digest} ({path.name})"
+    from .build import installed_build
+
+    build = (installed_build() or {}).get("patch_id", "stock build")  # the kernels the costs were measured with
+    return f"{cpu_line()} | llama.cpp {mode} ({build}) | {model.threads} threads | {digest} ({path.name})"
 
 
 def engine_curve(model: GGUFModel, sizes=(1, 2, 4, 8, 16), context: int = 256, repeats: int = 3,

@@ -31,7 +31,7 @@ import torch
 from ..drafters.middle import TokenLogProbs
 from ..tree import DraftTree, TreeInputs
 
-__all__ = ["GGUFModel", "LlamaCppTarget", "LlamaCppDrafter", "LlamaCppError", "set_batch_invariant"]
+__all__ = ["GGUFModel", "LlamaCppTarget", "LlamaCppDrafter", "LlamaCppError", "set_batch_invariant", "multicol_check"]
 
 
 class LlamaCppError(RuntimeError):
@@ -59,23 +59,46 @@ def _quiet(lib) -> None:
         lib.llama_backend_init()
 
 
+def _ggml_cpu(symbol: str):
+    """A function of the patched ggml CPU backend that libllama loaded, found by its soname (a wheel holds
+    no symlinks: libggml-cpu.so is another file, and loading it by path would give a second, unused copy)."""
+    import os
+
+    _llama().llama_cpp  # loads libllama and, through it, the ggml CPU backend
+    try:
+        handle = ctypes.CDLL("libggml-cpu.so.0", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
+        return getattr(handle, symbol)
+    except (OSError, AttributeError):
+        raise LlamaCppError("the installed llama-cpp-python lacks treegraft's batch-invariance patch: "
+                            "run `make llamacpp` (builds the patched source)") from None
+
+
 def set_batch_invariant(on: bool) -> None:
     """The patched ggml's process-wide batch-invariant switch (see :mod:`treegraft.llama_cpp.build`)."""
     global _SWITCH
     if _SWITCH is None:
-        import os
-
-        _llama().llama_cpp  # loads libllama and, through it, the ggml CPU backend
-        # the copy libllama loaded, found by its soname (a wheel holds no symlinks: libggml-cpu.so is
-        # another file, and loading it by path would give a second, unused copy of the switch)
-        try:
-            handle = ctypes.CDLL("libggml-cpu.so.0", mode=os.RTLD_NOLOAD | os.RTLD_LAZY)
-            _SWITCH = handle.ggml_cpu_set_batch_invariant
-        except (OSError, AttributeError):
-            raise LlamaCppError("the installed llama-cpp-python lacks treegraft's batch-invariance patch: "
-                                "run `make llamacpp` (builds the patched source)") from None
+        _SWITCH = _ggml_cpu("ggml_cpu_set_batch_invariant")
         _SWITCH.argtypes = [ctypes.c_bool]
     _SWITCH(bool(on))
+
+
+# ggml type ids (ggml.h) of the weight types the multi-column kernels cover
+GGML_TYPES = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
+
+
+def multicol_check(type_name: str, n: int, rows: int, columns: int, seed: int = 0) -> int | None:
+    """Outputs of the batch-invariant multi-column kernel of ``type_name`` (``rows`` random weight rows of
+    ``n`` values against ``columns`` random activation columns) whose bits differ from the one-column
+    ``vec_dot``'s; None when this CPU has no such kernel (the engine then calls vec_dot per column)."""
+    if type_name not in GGML_TYPES:
+        raise ValueError(f"unknown ggml type {type_name!r}; expected one of {', '.join(GGML_TYPES)}")
+    check = _ggml_cpu("ggml_cpu_treegraft_multicol_check")
+    check.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint32]
+    check.restype = ctypes.c_int
+    out = check(GGML_TYPES[type_name], n, rows, columns, seed)
+    if out == -2:
+        raise LlamaCppError(f"multi-column check on {type_name}: every product was 0 (the CPU backend is not initialised)")
+    return None if out == -1 else out
 
 
 @dataclass

@@ -70,6 +70,10 @@ class LlamaPair:
     middle: GGUFModel | None
     tokenizer: object
     name: str = ""
+    spec: object = None  # the PairSpec it was loaded from (load_engine_pair)
+    runtime: str = "llama.cpp"  # what records call the target's and the middle drafter's runtime
+    middle_runtime: str = "llama.cpp"
+    engine: dict | None = None  # engine, version, build, exactness (treegraft.llama_cpp.select.engine_info)
 
 
 def resolve_threads(threads: int | str) -> int:
@@ -143,7 +147,8 @@ class LlamaAutoregressive:
 
 
 def llama_decoder_for(method: str, pair: LlamaPair, tree: dict | None = None, sampling: SamplingConfig | None = None,
-                      scheduler=None, cache_dir: str | Path | None = None, eos_ids: set[int] | None = None):
+                      scheduler=None, cache_dir: str | Path | None = None, eos_ids: set[int] | None = None,
+                      eager_middle_prefill: bool = False):
     """A decoder for ``method`` on llama.cpp (``ar``, the tree presets and the learned methods; the HF peers
     run on the PyTorch engine only)."""
     from ..decoding.factory import LEARNED_METHODS, tree_config_from
@@ -173,5 +178,6 @@ def llama_decoder_for(method: str, pair: LlamaPair, tree: dict | None = None, sa
         vocab = frequent(int(cfg.draft_vocab), pair.middle.n_vocab) if cfg.draft_vocab else None
         drafter = LlamaCppDrafter(pair.middle, vocab)
     return TreeGraftDecoder(None, None, pair.tokenizer, cfg, sampling, eos, scheduler=scheduler, cache_dir=cache,
-                            engine=LlamaCppTarget(pair.target, frequent), drafter=drafter)
+                            engine=LlamaCppTarget(pair.target, frequent), drafter=drafter,
+                            eager_middle_prefill=eager_middle_prefill)
 

@@ -104,6 +104,7 @@ class LoadedPair:
     tokenizer: Any
     runtime: str = "float32"
     middle_runtime: str = "float32"
+    engine: dict | None = None  # set by treegraft.llama_cpp.select.load_engine_pair (engine=auto's choice)
 
 
 def resolve_source(source: str, models_dir: str | os.PathLike | None = None) -> str:

@@ -236,26 +236,22 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
 
     from tqdm.auto import tqdm
 
-    from ..decoding.factory import tree_config_from
-    from ..models import load_pair_from_settings
+    from ..llama_cpp.select import engine_decoder, engine_info, engine_workers, load_engine_pair, pair_verify_curve
     from .common import pair_spec, stage_prompts
 
     p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
-    pair = load_pair_from_settings(pair_spec(pair_name), cfg, p.device, p.dtype, log=console.print)
-    decoder = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, tree_config_from("fixed", tree),
-                               cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True)
+    pair = load_engine_pair(pair_spec(pair_name), cfg, log=console.print, device=p.device, dtype=p.dtype)
+    decoder = engine_decoder("fixed", pair, tree, cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True)
     budget = decoder.budget()
     prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(pp.prompts_per_benchmark), int(p.prompt_offset))
                for b in p.fit_benchmarks}
     warm_ids = next(iter(prompts.values()))[0][1]
     # runtime context, not used as data: medians over repeated all-call warm-ups
     t_tgt, t_mid = decoder.warm_up(warm_ids, int(p.warmup_tokens), repeats=int(p.get("warmup_repeats", 1)))
-    from ..decoding.budget import cached_verify_curve
-
-    curve = cached_verify_curve(pair.target, cfg.paths.cache_dir)  # the report's figure, and budget=auto's
+    curve = pair_verify_curve(pair, cfg.paths.cache_dir)  # the report's figure, and budget=auto's
     atomic_write_json({"pair": pair_name, "runtime": pair.runtime, "middle_runtime": pair.middle_runtime,
-                       **cpu_info(), "budget": budget,
+                       **engine_info(pair), **cpu_info(), "budget": budget,
                        "budget_setting": str(cfg.tree.budget), "tree_shape": cfg.tree.shape,
                        "t_tgt_ms": t_tgt, "t_mid_ms": t_mid, "context_samples": decoder.context_samples,
                        "warmup_repeats": int(p.get("warmup_repeats", 1)), "verify_curve": curve},
@@ -275,7 +271,8 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
                 atomic_write_parquet(pd.DataFrame(rows), shard_path(collect_dir, pair_name, bench, qid))
             report(1)
 
-    groups = split_jobs(todo, [len(ids) + 4 * int(pp.max_new_tokens) for _, _, ids in todo], int(p.workers))
+    groups = split_jobs(todo, [len(ids) + 4 * int(pp.max_new_tokens) for _, _, ids in todo],
+                        engine_workers(pair, p.workers))
     bar = None if progress is not None else tqdm(total=len(todo), desc=f"collect {pair_name} ({len(groups)} worker(s))",
                                                  file=sys.stderr)
     fork_map(collect_prompts, groups, progress or bar.update)

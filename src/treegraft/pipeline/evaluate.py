@@ -28,11 +28,12 @@ from rich.console import Console
 from tqdm.auto import tqdm
 
 from ..decoding.equality import compare_outputs
-from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, build_decoder, load_learned_scheduler, parse_method
+from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, load_learned_scheduler, parse_method
+from ..llama_cpp.select import engine_decoder, engine_info, engine_workers, load_engine_pair
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..machine import cpu_info, cpu_line
-from ..models import load_model, load_pair_from_settings, load_tokenizer
+from ..models import load_model, load_tokenizer
 from ..stats import Interval
 from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_text, file_hash, record_stage, stage_dir
 from .common import fold_intervals, pair_spec, print_table, stage_prompts, stage_records
@@ -62,8 +63,8 @@ def _write_records(records: list[dict], path: Path) -> None:
 
 
 def run_key(cfg: DictConfig, pair: str, method: str, artifacts: Path) -> str:
-    """What a method's records depend on: the tree and evaluation settings, dtype, device, the
-    prompts' offset and, for the learned methods, the scheduler artifacts. Saved records are reused
+    """What a method's records depend on: the tree and evaluation settings, dtype, device, the engine
+    (and its build), the prompts' offset and, for the learned methods, the scheduler artifacts. Saved records are reused
     only under the same key (a changed config or a refitted scheduler redoes them)."""
     e = OmegaConf.to_container(cfg.evaluation, resolve=True)
     for k in NOT_IN_RUN_KEY:  # which prompts and methods run, not what a record of one prompt holds
@@ -73,6 +74,13 @@ def run_key(cfg: DictConfig, pair: str, method: str, artifacts: Path) -> str:
              "runtime": cfg.runtime, "middle_runtime": cfg.middle_runtime, "cpu": cpu_line(),
              "device": cfg.pipeline.device, "warmup_tokens": cfg.pipeline.warmup_tokens,
              "warmup_repeats": cfg.pipeline.warmup_repeats}
+    from ..llama_cpp.select import engine_settings
+
+    engine = engine_settings(cfg)
+    if engine["name"] != "torch":  # (absent for the PyTorch engine: its records of earlier runs stay valid)
+        from ..llama_cpp.build import installed_build
+
+        parts["engine"] = {**engine, "build": (installed_build() or {}).get("patch_id")}
     base, _ = parse_method(method)
     if base in LEARNED_ARTIFACTS:
         parts["artifacts"] = {name: file_hash(artifacts / name) for name in LEARNED_ARTIFACTS[base]}
@@ -118,11 +126,13 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
     one prompt's generations)."""
     p, e = cfg.pipeline, cfg.evaluation
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
-    context = {"runtime": pair.runtime, "middle_runtime": pair.middle_runtime, "tree_shape": cfg.tree.shape, "budget_setting": str(cfg.tree.budget),
+    context = {"runtime": pair.runtime, "middle_runtime": pair.middle_runtime, **engine_info(pair),
+               "tree_shape": cfg.tree.shape, "budget_setting": str(cfg.tree.budget),
                # bfloat16_packed: products wider than this many rows ran on oneDNN's copy (None: one kernel)
                "bf16_onednn_above": getattr(pair.target, "treegraft_bf16_max_rows", None),
                **cpu_info()}
     target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
+    on_llama = engine_info(pair)["engine"] == "llama_cpp"
     wanted = {(b, m): method_prompts(cfg, m, prompts[b]) for b in benchmarks for m in methods}
     missing = {k: [q for q, _ in v if q not in saved[k]] for k, v in wanted.items()}
     todo = [m for m in methods if any(missing[b, m] for b in benchmarks)]
@@ -130,7 +140,7 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
     decoders, contexts = {}, {}
     for method in sorted(todo, key=lambda m: "@" in m):  # every warm-up before any timing; variants after their base
         base, scales = parse_method(method)
-        dec = build_decoder(base, pair, tree, sampling, schedulers.get(base), cfg.paths.cache_dir)
+        dec = engine_decoder(base, pair, tree, sampling, schedulers.get(base), cfg.paths.cache_dir)
         if isinstance(dec, TreeGraftDecoder) and dec.middle is not None:
             if scales and base in decoders:  # a sensitivity variant: its base's calibrated context, rescaled
                 dec.generate(warm_ids, int(p.warmup_tokens))
@@ -155,7 +165,9 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
                 record.update(prompt_ids=ids, run_key=keys[method])
                 if method != "ar" and sampling.greedy:
                     ref = records["ar"][qid]["tokens"]
-                    if record["tokens"] != ref and target_fp32 is None:
+                    # a near-tie check in float32 (PyTorch); on llama.cpp the exact kernels leave no mismatch to
+                    # explain and the stock ones round by batch: a mismatch there is reported as it is
+                    if record["tokens"] != ref and target_fp32 is None and not on_llama:
                         target_fp32 = load_model(pair.spec.target, "float32", p.device, cfg.paths.models_dir)
                     rep = compare_outputs(ref, record["tokens"], ids, target_fp32, float(e.tie_tolerance))
                     record["matches_ar"], record["mismatch_explained"] = rep.equal, rep.explained_by_tie
@@ -279,11 +291,11 @@ def _evaluate_prompts(cfg: DictConfig, progress=None) -> None:
         if not todo_benches:
             console.print(f"{pair_name}: every record is saved and up to date")
             continue
-        pair = load_pair_from_settings(spec, cfg, p.device, p.dtype, log=console.print)
+        pair = load_engine_pair(spec, cfg, log=console.print, device=p.device, dtype=p.dtype)
         units = {b: sum(q not in saved[b, m] for m in methods for q, _ in method_prompts(cfg, m, prompts[b]))
                  for b in todo_benches}
         cost = {b: units[b] * (1 + sum(len(ids) for _, ids in prompts[b]) / 1000) for b in todo_benches}
-        groups = split_jobs(todo_benches, [cost[b] for b in todo_benches], int(p.workers))
+        groups = split_jobs(todo_benches, [cost[b] for b in todo_benches], engine_workers(pair, p.workers))
         bar = None
         if progress is None:
             bar = tqdm(total=sum(units.values()), desc=f"evaluate {pair_name} ({len(groups)} worker(s))", file=sys.stderr)
