@@ -182,7 +182,7 @@ def curve_table(pair_cfg, args, console: Console) -> pd.DataFrame:
     from treegraft.llama_cpp import GGUFModel, gguf_path
     from treegraft.llama_cpp.costs import engine_curve
 
-    sizes = (1, 2, 4, 8, 16, 32)
+    sizes = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     rows = []
     for role, source in (("target", pair_cfg.target), ("middle", pair_cfg.middle)):
         path = str(gguf_path(source, args.models_dir))

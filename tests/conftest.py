@@ -19,10 +19,18 @@ _shared_benchmarks = Path(__file__).resolve().parents[2] / "shared" / "data" / "
 if "TREEGRAFT_BENCHMARKS" not in os.environ and _shared_benchmarks.is_dir():
     os.environ["TREEGRAFT_BENCHMARKS"] = str(_shared_benchmarks)
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers: one thread each, no oversubscription
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `make test` runs two workers: one core each, no oversubscription
     import torch
 
     torch.set_num_threads(1)
+    # each worker on a core of its own, so what sizes itself by the cores it may use (llama.cpp's
+    # threads=auto) takes one: two workers of two spinning llama.cpp threads each on two cores made the
+    # llama.cpp tests several times slower
+    if hasattr(os, "sched_setaffinity"):
+        _cores = sorted(os.sched_getaffinity(0))
+        _index = int(os.environ["PYTEST_XDIST_WORKER"].lstrip("gw") or 0)
+        if len(_cores) > 1:
+            os.sched_setaffinity(0, {_cores[_index % len(_cores)]})
 
 from treegraft.config import CONF_DIR  # noqa: E402  (registers the OmegaConf resolvers)
 from treegraft.models.embedded import EMBEDDED_MODELS, is_converted  # noqa: E402

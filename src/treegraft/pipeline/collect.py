@@ -236,7 +236,7 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
 
     from tqdm.auto import tqdm
 
-    from ..llama_cpp.select import engine_decoder, engine_info, engine_workers, load_engine_pair, pair_verify_curve
+    from ..llama_cpp.select import engine_decoder, engine_info, engine_workers, load_engine_pair
     from .common import pair_spec, stage_prompts
 
     p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
@@ -249,7 +249,8 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     warm_ids = next(iter(prompts.values()))[0][1]
     # runtime context, not used as data: medians over repeated all-call warm-ups
     t_tgt, t_mid = decoder.warm_up(warm_ids, int(p.warmup_tokens), repeats=int(p.get("warmup_repeats", 1)))
-    curve = pair_verify_curve(pair, cfg.paths.cache_dir)  # the report's figure, and budget=auto's
+    # the report's figure, and budget=auto's (the same measurement, cached once)
+    curve = decoder.engine.verify_curve(cfg.paths.cache_dir, decoder.cfg.auto_max_budget)
     atomic_write_json({"pair": pair_name, "runtime": pair.runtime, "middle_runtime": pair.middle_runtime,
                        **engine_info(pair), **cpu_info(), "budget": budget,
                        "budget_setting": str(cfg.tree.budget), "tree_shape": cfg.tree.shape,

@@ -75,6 +75,9 @@ def read_records(eval_dir: Path) -> pd.DataFrame:
                 "mean_budget": r.get("mean_budget"), "runtime": r.get("runtime"), "tree_shape": r.get("tree_shape"),
                 "cpu": r.get("cpu"), "cpu_capability": r.get("cpu_capability"),
                 "bf16_onednn_above": r.get("bf16_onednn_above"),
+                # the engine (records before it existed ran on PyTorch)
+                "engine": r.get("engine", "torch"), "engine_build": r.get("engine_build"),
+                "engine_exact": r.get("engine_exact"),
             })
     if not rows:
         raise FileNotFoundError(f"no evaluation records under {eval_dir}")
