@@ -33,10 +33,12 @@ help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
 	@echo "  variables: MODELS=default|all|<names> (now: $(MODEL_LIST)), PAIR=$(PAIR), MAX_NEW_TOKENS=$(MAX_NEW_TOKENS)"
 
-# `make all` runs the whole pipeline on the embedded models with this experiment (conf/experiment/cpu.yaml).
-ALL_EXPERIMENT ?= cpu
+# `make all` runs the whole pipeline on the embedded models with this experiment: auto = cpu (PyTorch) or
+# cpu_llama (llama.cpp, exact), whichever engine's one-token step of the main pair is faster on this CPU
+# (measured, cached; the choice is written to outputs/pipeline/<experiment>/engine_choice.json)
+ALL_EXPERIMENT ?= auto
 
-all: ## the whole pipeline on the embedded models with one progress bar: setup, models, collect, fit, distill, evaluate, tables, figures (EXPERIMENT=cpu)
+all: ## the whole pipeline on the embedded models with one progress bar: setup, models, collect, fit, distill, evaluate, tables, figures (ALL_EXPERIMENT=auto|cpu|cpu_llama)
 	$(MAKE) models MODELS=all
 	$(VPY) scripts/run_all.py experiment=$(ALL_EXPERIMENT)
 

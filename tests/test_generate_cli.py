@@ -14,17 +14,52 @@ from treegraft.models import build_tiny_model, build_tiny_tokenizer
 from .conftest import REPO_ROOT
 
 
-def run_generate(*overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_generate_process(*overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``python -m treegraft.generate`` in a process of its own (the real command line)."""
     return subprocess.run(
         [sys.executable, "-m", "treegraft.generate", *overrides],
         capture_output=True, text=True, cwd=REPO_ROOT, env={**os.environ, **(env or {})}, timeout=300,
     )
 
 
+def run_generate(*overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The command line's steps in this process (the config-name check, the composed config, `cli`), its
+    stdout, stderr and exit status captured: what :func:`run_generate_process` gives, without the ~10 s of
+    imports a new interpreter costs on a slow CPU. The tests that start a real process keep the two equal."""
+    import contextlib
+    import io
+
+    from treegraft.config import check_config_choices
+    from treegraft.generate import cli
+
+    from .conftest import compose
+
+    out, err = io.StringIO(), io.StringIO()
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                check_config_choices(list(overrides))
+                code = cli(compose("generate", list(overrides)))
+            except SystemExit as exit_:
+                code = exit_.code
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(list(overrides), code, out.getvalue(), err.getvalue())
+
+
 def test_generate_prints_text_and_stats_line():
-    proc = run_generate("pair=tiny-random", "chat_template=false", "prompt=hello world again", "max_new_tokens=16",
-                        "runtime=float32")
+    args = ("pair=tiny-random", "chat_template=false", "prompt=hello world again", "max_new_tokens=16", "runtime=float32")
+    proc = run_generate_process(*args)
     assert proc.returncode == 0, proc.stderr
+    same = run_generate(*args)  # the in-process runner the other tests use prints the same
+    assert (same.returncode, same.stdout) == (0, proc.stdout)
+    assert same.stderr.split(" time=")[0] == proc.stderr.split(" time=")[0]
     tok = build_tiny_tokenizer()
     expected = AutoregressiveDecoder(build_tiny_model(0), {2}).generate(tok("hello world again").input_ids, 16)
     assert proc.stdout == tok.decode(expected.tokens, skip_special_tokens=True) + "\n"
@@ -56,7 +91,7 @@ def test_generate_empty_prompt_is_an_error():
 
 
 def test_generate_speculative_methods_print_the_same_text_as_ar():
-    args = ["pair=tiny-random", "chat_template=false", "prompt=abc abc abc abc", "max_new_tokens=24"]
+    args = ["pair=tiny-random", "chat_template=false", "prompt=abc abc abc abc", "max_new_tokens=24", "runtime=float32"]
     ar = run_generate(*args, "method=ar")
     assert ar.returncode == 0, ar.stderr
     for method in ("all_small", "all_mid", "hf_prompt_lookup"):
@@ -91,7 +126,7 @@ def test_unknown_runtime_is_one_line():
 
 
 def test_unknown_config_names_are_one_line_with_the_available_names():
-    proc = run_generate("pair=nope", "prompt=hi")
+    proc = run_generate_process("pair=nope", "prompt=hi")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: unknown pair 'nope'; available: ")

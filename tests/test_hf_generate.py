@@ -74,11 +74,11 @@ def test_greedy_custom_generate_equals_generate_on_smollm2_self(smollm2_self_pai
     pair = smollm2_self_pair
     tok = pair.tokenizer
     record = load_benchmark(BenchmarkConfig(name="humaneval", num_prompts=1))[0]
-    ids = torch.tensor([tok(format_prompt(tok, record["turns"][0]), add_special_tokens=False).input_ids[:200]])
-    ref = pair.target.generate(ids, do_sample=False, max_new_tokens=24)
+    ids = torch.tensor([tok(format_prompt(tok, record["turns"][0]), add_special_tokens=False).input_ids[:96]])
+    ref = pair.target.generate(ids, do_sample=False, max_new_tokens=20)
     for kwargs in ({"assistant_model": pair.middle, "method": "fixed"}, {"self_draft_layers": 28, "method": "all_mid"},
                    {"method": "all_small"}):
-        assert torch.equal(custom(pair.target, ids, do_sample=False, max_new_tokens=24, **kwargs), ref), kwargs
+        assert torch.equal(custom(pair.target, ids, do_sample=False, max_new_tokens=20, **kwargs), ref), kwargs
 
 
 @pytest.mark.embedded
@@ -103,7 +103,7 @@ def test_text_iterator_streamer_receives_the_text_in_pieces(smollm2_self_pair):
     streamer = TextIteratorStreamer(tok, skip_prompt=True)
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("out", custom(
-        pair.target, ids, assistant_model=pair.middle, method="fixed", do_sample=False, max_new_tokens=40,
+        pair.target, ids, assistant_model=pair.middle, method="fixed", do_sample=False, max_new_tokens=20,
         streamer=streamer)))
     thread.start()
     pieces = [piece for piece in streamer]

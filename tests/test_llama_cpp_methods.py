@@ -56,7 +56,7 @@ def test_speculative_sampling_on_llama_cpp_keeps_the_target_distribution(smol, c
 
     ids = smol.tokenizer("My favourite word is").input_ids  # a short prompt with a spread-out next token
     probs = target_distribution(ar_logits(smol.target, ids, [])[-1], SamplingConfig(temperature=1.0))
-    dec = llama_decoder_for("all_mid", smol, tree={"depth": 1, "top_m": 6, "budget": 8}, cache_dir=cache_dir,
+    dec = llama_decoder_for("all_mid", smol, tree={"depth": 1, "top_m": 4, "budget": 4}, cache_dir=cache_dir,
                             sampling=SamplingConfig(temperature=1.0))
     samples = []
     for seed in range(400):

@@ -90,3 +90,18 @@ def test_engine_auto_picks_by_the_measured_step_and_says_why(monkeypatch):
     choice = select.choose_engine(gguf, cfg, "cpu")
     assert choice["engine"] == "torch" and choice["llama_step_ms"] == pytest.approx(30.0)
     assert select.choose_engine(gguf, cfg, "cuda")["engine"] == "torch"  # not on a GPU
+
+
+def test_make_all_auto_runs_the_experiment_of_the_faster_engine(monkeypatch):
+    from treegraft.config import CONF_DIR
+    from treegraft.llama_cpp import select
+    from treegraft.pipeline.run_all import AUTO_EXPERIMENTS, auto_experiment
+
+    cfg = compose("collect", ["experiment=cpu"])
+    for engine, experiment in (("llama_cpp", "cpu_llama"), ("torch", "cpu")):
+        monkeypatch.setattr(select, "choose_engine", lambda *a, engine=engine, **k: {"engine": engine, "reason": "test"})
+        assert auto_experiment(cfg, log=lambda *_: None) == (experiment, {"engine": engine, "reason": "test"})
+    for experiment in AUTO_EXPERIMENTS.values():
+        assert (CONF_DIR / "experiment" / f"{experiment}.yaml").is_file()
+        assert compose("evaluate", [f"experiment={experiment}"]).engine.name == (
+            "llama_cpp" if experiment == "cpu_llama" else "torch")

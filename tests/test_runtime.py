@@ -179,7 +179,7 @@ def test_int4_uses_the_gguf_blocks_and_stays_close_on_smollm2():
     folder = require_embedded("smollm2-135m")
     blocks = int4_blocks(folder)
     assert blocks and all(k.endswith(".weight") for k in blocks)
-    ids = list(range(100, 180))
+    ids = list(range(100, 124))  # PyTorch's int4 product is slow on a CPU without its fast path: few rows
     ref = _logits(load_model("embedded:smollm2-135m"), ids)
     model = load_model("embedded:smollm2-135m", runtime="int4")
     int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]

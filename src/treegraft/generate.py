@@ -42,8 +42,8 @@ class TextStream:
     """Prints generated text as tokens arrive (one turn's accepted tokens at a time), holding back an
     incomplete UTF-8 character, so that what reaches stdout is exactly the decoded whole."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tokenizer, self.out = tokenizer, out
+    def __init__(self, tokenizer, out=None):
+        self.tokenizer, self.out = tokenizer, out if out is not None else sys.stdout
         self.tokens: list[int] = []
         self.printed = ""
 
@@ -116,18 +116,25 @@ def run(cfg: DictConfig) -> int:
     return 0
 
 
-@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
-def main(cfg: DictConfig) -> None:
+def cli(cfg: DictConfig) -> int:
+    """:func:`run` as the command line runs it: a bad input is one line on stderr and exit status 2."""
     from .models import ModelLoadError, TokenizerMismatchError
     from .llama_cpp import LlamaCppError
     from .models.runtime import RuntimeUnavailable
 
     try:
-        run(cfg)
+        return run(cfg)
     except (ModelLoadError, TokenizerMismatchError, RuntimeUnavailable, LlamaCppError, ValueError,
             FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+
+
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="generate")
+def main(cfg: DictConfig) -> None:
+    code = cli(cfg)
+    if code:
+        sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,10 @@ from .fit import run_fit
 from .parallel import one_thread_if_forking
 from .report import make_figures, make_tables
 
-__all__ = ["run_all", "work_plan", "evaluate_budget_min"]
+__all__ = ["run_all", "work_plan", "evaluate_budget_min", "auto_experiment", "AUTO_EXPERIMENTS"]
+
+# `make all`'s default (experiment=auto): the cpu experiment on the engine whose step is faster here
+AUTO_EXPERIMENTS = {"torch": "cpu", "llama_cpp": "cpu_llama"}
 
 ENUMERATION_FACTOR = 6.0  # an enumerated turn costs about this many ordinary turns (62 steps, shared verifications)
 SETUP_MINUTES = 8.5  # .venv, model packages and conversions before run_all starts (Zen 4: 8.1 and 8.9 min)
@@ -140,3 +143,13 @@ def run_all(cfgs: dict[str, DictConfig]) -> dict[str, float]:
     console.print(f"evaluation records: {exp_dir / 'evaluate'}; offline scheduler table: {exp_dir / 'distill'}")
     return walls
 
+
+
+def auto_experiment(cfg: DictConfig, log=print) -> tuple[str, dict]:
+    """``experiment=auto``: ``cpu`` or ``cpu_llama``, whichever engine's one-token step of the main pair
+    is faster on this machine (:func:`treegraft.llama_cpp.select.choose_engine`; ``cfg`` is the composed
+    `collect` config of ``experiment=cpu``). Returns the experiment and the measured choice."""
+    from ..llama_cpp.select import choose_engine
+
+    choice = choose_engine(pair_spec(cfg.pipeline.pairs[0]), cfg, str(cfg.pipeline.device), cfg.pipeline.dtype, log)
+    return AUTO_EXPERIMENTS[choice["engine"]], choice
