@@ -50,7 +50,7 @@ def test_every_method_equals_ar_of_the_same_runtime_on_the_tiny_pair(tiny_runtim
 
 
 @pytest.mark.embedded
-@pytest.mark.parametrize("runtime", ["float32_packed", "int4"])
+@pytest.mark.parametrize("runtime", ["float32_packed"])  # int4: the tiny pair above, and its logits on SmolLM2 in test_runtime
 def test_every_method_equals_ar_of_the_same_runtime_on_smollm2(runtime):
     from omegaconf import OmegaConf
     from hydra.utils import instantiate

@@ -136,7 +136,7 @@ def test_the_targets_cache_after_many_turns_is_the_plain_decoding_of_the_text(sm
 
     ids = chat(smol.tokenizer, PROMPT)
     greedy = ids + llama_decoder_for("ar", smol).generate(ids, 24 + 64).tokens  # first: ar clears the target's cache
-    dec = llama_decoder_for("all_mid", smol, cache_dir=cache_dir)
+    dec = llama_decoder_for("all_mid", smol, {"auto_max_budget": 15}, cache_dir=cache_dir)
     out = dec.generate(ids, 24)
     assert len(out.turns) > 3
     # the last turn may accept more than max_new_tokens lets out: the cache holds every accepted token

@@ -14,13 +14,16 @@ from .test_llama_cpp import PROMPT, cache_dir, chat, smol  # noqa: F401  (module
 from .test_tree_decoder import chi_square_pvalue
 
 METHODS = ["fixed", "all_mid", "all_small", "csd", "no_nondestructive", "no_expanded_selection", "all_call"]
+# budget=auto planned up to 15 nodes: SmolLM2 drafting for itself is accepted whole, and the planner would
+# otherwise verify 64-node trees, 64 one-thread rows each, in every test here
+TREE = {"auto_max_budget": 15}
 
 
 @pytest.fixture(scope="module")
 def smol_reference(smol):
     from treegraft.llama_cpp import llama_decoder_for
 
-    prompts = [chat(smol.tokenizer, p) for p in (PROMPT, "What is the capital of France?", "Write a haiku about rain.")]
+    prompts = [chat(smol.tokenizer, p) for p in (PROMPT, "Write a haiku about rain.")]
     ar = llama_decoder_for("ar", smol)
     return prompts, [ar.generate(p, 32).tokens for p in prompts]
 
@@ -30,7 +33,7 @@ def test_every_method_equals_this_engines_greedy_decoding(smol, smol_reference, 
     from treegraft.llama_cpp import llama_decoder_for
 
     prompts, want = smol_reference
-    dec = llama_decoder_for(method, smol, cache_dir=cache_dir)
+    dec = llama_decoder_for(method, smol, TREE, cache_dir=cache_dir)
     for ids, ref in zip(prompts, want):
         out = dec.generate(ids, 32)
         assert out.tokens == ref, f"{method} diverged from ar at token {next(i for i, (x, y) in enumerate(zip(out.tokens, ref)) if x != y)}"
@@ -46,7 +49,7 @@ def test_a_drafter_on_stock_kernels_still_gives_the_targets_output(smol, smol_re
     stock = GGUFModel(smol.middle.path, n_ctx=2048, n_seq=256, exact=False)
     pair = LlamaPair(smol.target, stock, smol.tokenizer)
     prompts, want = smol_reference
-    dec = llama_decoder_for("all_mid", pair, cache_dir=cache_dir)
+    dec = llama_decoder_for("all_mid", pair, TREE, cache_dir=cache_dir)
     for ids, ref in zip(prompts, want):
         assert dec.generate(ids, 32).tokens == ref
 
@@ -59,7 +62,7 @@ def test_speculative_sampling_on_llama_cpp_keeps_the_target_distribution(smol, c
     dec = llama_decoder_for("all_mid", smol, tree={"depth": 1, "top_m": 4, "budget": 4}, cache_dir=cache_dir,
                             sampling=SamplingConfig(temperature=1.0))
     samples = []
-    for seed in range(400):
+    for seed in range(300):
         dec.sampling.seed = seed  # each generate draws from a generator seeded afresh
         samples.append(dec.generate(ids, 1).tokens[0])
     assert chi_square_pvalue(samples, probs) > 1e-3
@@ -71,7 +74,7 @@ def test_generate_on_llama_cpp_prints_the_same_text_for_every_method():
     from .test_generate_cli import run_generate
 
     args = ["pair=smollm2-135m__self", "engine=llama_cpp", "engine.threads=1", "prompt=List three prime numbers.",
-            "max_new_tokens=24"]
+            "max_new_tokens=24", "tree.auto_max_budget=15"]
     ar = run_generate(*args, "method=ar")
     assert ar.returncode == 0, ar.stderr
     assert "runtime=llama.cpp exact" in ar.stderr
@@ -93,4 +96,4 @@ def test_a_prompt_longer_than_a_batch_is_caught_up_in_several(smol, cache_dir):
     ids = smol.tokenizer("Repeat after me: " + " ".join(f"item{i}" for i in range(200))).input_ids
     assert len(ids) > smol.middle.n_batch
     want = llama_decoder_for("ar", smol).generate(ids, 24).tokens
-    assert llama_decoder_for("all_mid", smol, cache_dir=cache_dir).generate(ids, 24).tokens == want
+    assert llama_decoder_for("all_mid", smol, TREE, cache_dir=cache_dir).generate(ids, 24).tokens == want
