@@ -42,7 +42,7 @@ def main(overrides: list[str]) -> int:
         cfgs = {stage: compose(config_name=stage, overrides=overrides) for stage in ("collect", "fit", "distill", "evaluate")}
     try:
         run_all(cfgs)
-    except (MissingArtifactError, ValueError) as err:
+    except (MissingArtifactError, ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

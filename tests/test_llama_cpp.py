@@ -23,9 +23,12 @@ def _require_llama_cpp():
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    """One cache for the module: the engine's cost curve and the frequent tokens are measured once."""
-    return tmp_path_factory.mktemp("llama-cache")
+def cache_dir():
+    """The session's cache (TREEGRAFT_CACHE, a temporary folder): the engine's cost curve and SmolLM2's
+    frequent tokens are measured once per test worker, for every llama.cpp test and the pipeline's."""
+    from treegraft.paths import default_cache_dir
+
+    return default_cache_dir()
 
 
 def chat(tokenizer, text: str) -> list[int]:

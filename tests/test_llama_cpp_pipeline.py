@@ -74,7 +74,7 @@ def test_engine_auto_picks_by_the_measured_step_and_says_why(monkeypatch):
     from treegraft.llama_cpp import select
     from treegraft.models import PairSpec
 
-    cfg = compose("generate", ["pair=tiny-random", "engine=auto"])
+    cfg = compose("generate", ["pair=tiny-random", "engine=auto", "runtime=float32"])
     spec = PairSpec(name="tiny-random", target="tiny-random:0", middle="tiny-random:1")
     choice = select.choose_engine(spec, cfg, "cpu")
     assert choice["engine"] == "torch" and "not GGUF" in choice["reason"]  # a Hugging Face pair: PyTorch

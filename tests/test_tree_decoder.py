@@ -165,7 +165,7 @@ def test_greedy_equals_ar_on_smollm2_self_pair(smollm2_self_pair, benchmark):
     pair = smollm2_self_pair
     tok = pair.tokenizer
     record = load_benchmark(BenchmarkConfig(name=benchmark, num_prompts=1))[0]
-    ids = tok(format_prompt(tok, record["turns"][0]), add_special_tokens=False).input_ids[:96]
+    ids = tok(format_prompt(tok, record["turns"][0]), add_special_tokens=False).input_ids[:80]
     eos = {tok.eos_token_id}
     ref = AutoregressiveDecoder(pair.target, eos).generate(ids, 16).tokens
     for method in ("all_small", "all_mid"):
