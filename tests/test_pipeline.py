@@ -339,6 +339,7 @@ def test_wandb_offline_run_logs_a_stage(smoke, tmp_path, monkeypatch):
     assert list((runs[0] / "files" / "media" / "table").glob("offline_eval*.table.json"))
 
 
+@pytest.mark.slow  # a new interpreter per job: `make test-all`
 def test_multirun_with_the_local_submitit_launcher_aggregates(smoke, tmp_path):
     import subprocess
     import sys
