@@ -252,18 +252,24 @@ def main(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-def build(method: str, pair, tree: dict, cfg: DictConfig):
-    """The decoder of ``method`` (or ``method:overrides``); learned methods load their scheduler from
-    ``cfg.artifacts`` (a missing artifact names the stage to run)."""
+def scheduler_for(method: str, cfg: DictConfig):
+    """The learned scheduler of ``method`` (or ``method:overrides``) from ``cfg.artifacts`` or its own
+    ``artifacts=``, None for a fixed method; a bad override or a missing artifact (which names the stage to
+    run) fails here, before any model is loaded."""
     name = method.split(":")[0]
     policy = method_overrides(method)[1]
     if (policy and name not in LEARNED_METHODS) or ("threshold" in policy and name != "treegraft"):
         raise ValueError(f"method {method!r}: {', '.join(sorted(policy))}= applies to "
                          f"{'treegraft' if 'threshold' in policy else ' / '.join(LEARNED_METHODS)} only")
     threshold = float(policy["threshold"]) if "threshold" in policy else None
-    scheduler = (load_learned_scheduler(name, policy.get("artifacts", cfg.artifacts), threshold)
-                 if name in LEARNED_METHODS else None)
-    return build_decoder(name, pair, variant_tree(tree, method), scheduler=scheduler, cache_dir=cfg.paths.cache_dir)
+    return (load_learned_scheduler(name, policy.get("artifacts", cfg.artifacts), threshold)
+            if name in LEARNED_METHODS else None)
+
+
+def build(method: str, pair, tree: dict, cfg: DictConfig, scheduler=None):
+    """The decoder of ``method`` (or ``method:overrides``) with its scheduler (:func:`scheduler_for`)."""
+    return build_decoder(method.split(":")[0], pair, variant_tree(tree, method), scheduler=scheduler,
+                         cache_dir=cfg.paths.cache_dir)
 
 
 def run(cfg: DictConfig) -> None:
@@ -272,6 +278,8 @@ def run(cfg: DictConfig) -> None:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"CPU: {cpu_line()}")
+    methods = ["ar"] + [m for m in cfg.methods if m != "ar"]
+    schedulers = {m: scheduler_for(m, cfg) for m in methods}  # a missing artifact fails before the models load
     if cfg.runtimes:  # first, one target at a time, before the pair takes its memory
         runtime_table(cfg, load_prompts(cfg, load_tokenizer(cfg.pair.target, cfg.paths.models_dir)), console, out_dir)
         if cfg.runtimes_only:
@@ -279,12 +287,11 @@ def run(cfg: DictConfig) -> None:
     pair = load_pair_from_settings(instantiate(cfg.pair), cfg, log=console.print)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     prompts = load_prompts(cfg, pair.tokenizer)
-    methods = ["ar"] + [m for m in cfg.methods if m != "ar"]
     console.print(f"{len(prompts)} prompts x {cfg.max_new_tokens} new tokens, runtime {pair.runtime} "
                   f"(middle drafter {pair.middle_runtime}), "
                   f"pair {cfg.pair.name}, methods interleaved prompt by prompt: {', '.join(methods)}")
 
-    decoders = {m: build(m, pair, tree, cfg) for m in methods}
+    decoders = {m: build(m, pair, tree, cfg, schedulers[m]) for m in methods}
     for method, dec in decoders.items():  # every warm-up (and budget=auto's curve) before any timing
         if isinstance(dec, TreeGraftDecoder) and dec.scheduler is not None and method.split(":")[0] in LEARNED_METHODS:
             dec.warm_up(prompts[0][2], 8)  # the learned policy's runtime context

@@ -52,6 +52,7 @@ def test_every_method_equals_ar_of_the_same_runtime_on_the_tiny_pair(tiny_runtim
             assert all(t["verified_nodes"] <= t["budget"] <= 63 for t in result.turns)
 
 
+@pytest.mark.slow  # `make test-all`: CI runs every method on the tiny pair's packed runtimes and SmolLM2's packed logits
 @pytest.mark.embedded
 @pytest.mark.parametrize("runtime", ["float32_packed"])  # int4: the tiny pair above, and its logits on SmolLM2 in test_runtime
 def test_every_method_equals_ar_of_the_same_runtime_on_smollm2(runtime):

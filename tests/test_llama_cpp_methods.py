@@ -89,11 +89,18 @@ def test_generate_on_llama_cpp_prints_the_same_text_for_every_method():
 
 
 def test_a_prompt_longer_than_a_batch_is_caught_up_in_several(smol, cache_dir):
-    """A prompt of more than n_batch (512) tokens: the target prefills it in batches and the middle
-    drafter catches up in batches before its first call's nodes; the output is ar's."""
-    from treegraft.llama_cpp import llama_decoder_for
+    """A prompt of more than n_batch tokens (64 here, 512 by default): the target prefills it in batches and
+    the middle drafter catches up in batches before its first call's nodes; the output is ar's."""
+    from treegraft.llama_cpp import LlamaPair, llama_decoder_for
+    from treegraft.llama_cpp.engine import GGUFModel
 
-    ids = smol.tokenizer("Repeat after me: " + " ".join(f"item{i}" for i in range(200))).input_ids
-    assert len(ids) > smol.middle.n_batch
-    want = llama_decoder_for("ar", smol).generate(ids, 12).tokens
-    assert llama_decoder_for("all_mid", smol, TREE, cache_dir=cache_dir).generate(ids, 12).tokens == want
+    def small_batches():
+        return GGUFModel(smol.target.path, n_ctx=1024, n_seq=64, n_batch=64, exact=True)
+
+    with pytest.raises(ValueError, match="n_batch 32 is below n_seq 64"):  # not llama.cpp's abort
+        GGUFModel(smol.target.path, n_ctx=1024, n_seq=64, n_batch=32)
+    pair = LlamaPair(small_batches(), small_batches(), smol.tokenizer)
+    ids = smol.tokenizer("Repeat after me: " + " ".join(f"item{i}" for i in range(50))).input_ids
+    assert len(ids) > 2 * pair.middle.n_batch
+    want = llama_decoder_for("ar", pair).generate(ids, 12).tokens
+    assert llama_decoder_for("all_mid", pair, TREE, cache_dir=cache_dir).generate(ids, 12).tokens == want

@@ -113,6 +113,8 @@ class GGUFModel:
     n_batch: int = 512
 
     def __post_init__(self):
+        if self.n_batch < self.n_seq:  # llama.cpp reserves an output row per sequence and aborts the process
+            raise ValueError(f"n_batch {self.n_batch} is below n_seq {self.n_seq}: llama.cpp needs n_batch >= n_seq")
         lib = self.lib = _llama()
         _quiet(lib)
         if not Path(self.path).is_file():
