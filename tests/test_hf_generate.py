@@ -105,7 +105,7 @@ def test_text_iterator_streamer_receives_the_text_in_pieces(smollm2_self_pair):
     streamer = TextIteratorStreamer(tok, skip_prompt=True)
     result = {}
     thread = threading.Thread(target=lambda: result.setdefault("out", custom(
-        pair.target, ids, assistant_model=pair.middle, method="fixed", do_sample=False, max_new_tokens=20,
+        pair.target, ids, method="all_small", do_sample=False, max_new_tokens=16,
         streamer=streamer)))
     thread.start()
     pieces = [piece for piece in streamer]
