@@ -34,6 +34,7 @@ def reference_and_converted():
     return ref_tok, ref_model.eval(), tok, model.eval()
 
 
+@pytest.mark.slow  # transformers' own GGUF loader as the reference takes ~50 s: `make test-all`
 @pytest.mark.embedded
 def test_tokenizer_matches_transformers_gguf(reference_and_converted):
     ref_tok, _, tok, _ = reference_and_converted
@@ -46,6 +47,7 @@ def test_tokenizer_matches_transformers_gguf(reference_and_converted):
     assert tok.chat_template == ref_tok.chat_template
 
 
+@pytest.mark.slow  # the same reference: `make test-all`
 @pytest.mark.embedded
 def test_logits_match_transformers_gguf(reference_and_converted):
     ref_tok, ref_model, tok, model = reference_and_converted

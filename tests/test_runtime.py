@@ -172,6 +172,7 @@ def test_float32_packed_logits_equal_stock_on_smollm2():
 
 
 @pytest.mark.embedded
+@pytest.mark.slow  # packing SmolLM2 for int4 takes ~40 s; CI: every method on the tiny pair's int4 runtime
 def test_int4_uses_the_gguf_blocks_and_stays_close_on_smollm2():
     from treegraft.models import load_model
     from treegraft.models.embedded import int4_blocks
