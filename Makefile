@@ -45,7 +45,6 @@ all: ## the whole pipeline on the embedded models with one progress bar: setup, 
 $(VENV)/.python:
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=<python3.11>"; exit 1; }
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
 	touch $@
 
 # torch through pip (pip finds the local CPU build of 2.13.0; a GPU user's CUDA build of it is kept), the rest

@@ -306,6 +306,7 @@ def test_tables_and_figures_from_saved_records_alone(smoke, tmp_path):
     assert all(p.stat().st_size > 1000 for p in figures)
 
 
+@pytest.mark.slow  # a Jupyter kernel of its own: `make test-all` (CI builds the same tables and figures in-process)
 def test_notebook_rebuilds_the_report_from_smoke_outputs(smoke, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -470,6 +471,7 @@ def test_evaluate_with_two_forked_workers_and_ablations_on_fewer_prompts(smoke, 
     assert sorted(one.index) == sorted(two.index)
 
 
+@pytest.mark.slow  # `make test-all`; CI runs forked workers in evaluate (test_evaluate_with_two_forked_workers...)
 def test_collect_with_two_forked_workers_writes_the_same_shards(smoke, tmp_path):
     cfg, out, _, _, _ = smoke
     run_collect(compose("collect", ["experiment=smoke", f"paths.output_dir={tmp_path}", "pipeline.workers=2"]))
