@@ -285,6 +285,39 @@ def test_small_gemm_kernel_equals_linear_for_every_row_count():
             torch.testing.assert_close(kernel.linear(x, packed, n, None), x @ w.T, rtol=1e-5, atol=1e-5)
 
 
+def test_small_gemm_rows_are_bit_identical_at_every_row_count():
+    """Wide products (K blocks with partial sums stored and resumed, balanced row blocks, L2 chunks)
+    keep each output's FMA chain: a row of an M-row product equals that row alone, bit for bit."""
+    from treegraft.models.runtime.kernels import SMALL_GEMM, small_gemm
+
+    kernel = _kernel_or_skip(SMALL_GEMM, small_gemm)
+    torch.manual_seed(0)
+    for n, k in ((45, 300), (2100, 40), (37, 1030)):  # K over several K blocks; many chunks of groups
+        w, b = torch.randn(n, k), torch.randn(n)
+        packed = kernel.pack(w)
+        x = torch.randn(70, k)
+        alone = torch.cat([kernel.linear(x[i:i + 1].contiguous(), packed, n, b) for i in range(len(x))])
+        torch.testing.assert_close(alone, x @ w.T + b, rtol=1e-4, atol=1e-4)
+        for rows in (5, 9, 13, 33, 70):
+            got = kernel.linear(x[:rows].contiguous(), packed, n, b)
+            assert torch.equal(got, alone[:rows]), (n, k, rows)
+
+
+def test_float32_packed_keeps_one_copy_of_the_weights_with_the_kernel():
+    import treegraft.models.runtime as rt
+    from treegraft.models.runtime.kernels import SMALL_GEMM, small_gemm
+
+    _kernel_or_skip(SMALL_GEMM, small_gemm)
+    lin = _linear(64, 48, True)
+    packed = rt.PackedLinear.from_linear(lin)
+    assert packed.small is not None and packed.packed is None and packed.weight is None
+    x = torch.randn(rt.linears.WIDE_ROWS + 5, 64)  # a prefill-sized product: a transient dense copy
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    x = x[: rt.linears.WIDE_ROWS]
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed(x)[3:4], packed(x[3:4]))  # up to WIDE_ROWS rows: bit-identical rows
+
+
 def test_packed_linear_without_the_kernel_uses_mkl_and_onednn(monkeypatch):
     import treegraft.models.runtime as rt
     import treegraft.models.runtime.kernels as kernels

@@ -1,6 +1,7 @@
-// Small-batch float32 linear for CPUs with AVX2 + FMA: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= 8.
+// Float32 linear for CPUs with AVX2 + FMA: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), any M (tuned for
+// the 1-16 rows of a speculative decoder's forwards).
 //
-// Why: a speculative decoder's forwards have 1 to 8 rows. For them a linear is a stream over the
+// Why: a speculative decoder's forwards have 1 to ~16 rows. For them a linear is a stream over the
 // weights, and PyTorch's kernels either stream well for one row only (MKL's packed GEMV) or pay
 // nearly a full extra pass per extra row (oneDNN, MKL GEMM): on an AVX2-only EPYC an 8960x1536 linear
 // takes 3.3 ms for 1 row and 6-8 ms for 2-4. Here the weights are packed once into groups of 8
@@ -10,6 +11,12 @@
 // reading the weights from L2. Measured on that EPYC (one thread, 1536 -> 8960): 2.8 ms for 1 row,
 // 3.3 for 4, 4.5 for 6, 5.6 for 8 (7.2 when 8 rows streamed the weights twice); oneDNN with a
 // prepacked weight takes 6.9-9.4 ms for 2-8 rows.
+//
+// More than 8 rows (wide verifications, prefill) go as balanced row blocks of at most 6 over chunks of
+// groups that stay in L2, chunk-major: each chunk comes from memory once and every row block reads it
+// from cache, so this one packed copy serves every row count (no second, oneDNN-packed copy of the
+// weights: that copy doubled a float32 model's memory). Every output is one accumulator's FMA chain
+// over k = 0 .. K-1 whatever M and the tile shape, so a row's result is bit-identical at every M.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -19,39 +26,66 @@
 
 namespace {
 
-// One tile: S groups of 8 output columns x M rows; xt is [K][8] (the M rows transposed, zero-padded).
+// Lanes 0 .. n - 1 of a group's 8 columns (n >= 8: all): the last group may be ragged.
+inline __m256i column_mask(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// One tile: S groups of 8 output columns x M rows over k in [k0, k1); xt is [K][8] (the M rows
+// transposed, zero-padded). `resume`: the accumulators start from y's values (the partial sums of
+// k < k0 stored by the previous K block), so the FMA chain of every output is the same whatever the
+// blocking. (Masked loads and stores for the ragged last group: a scalar path through a stack buffer
+// made the compiler keep the accumulators in memory, half the speed; so do loops it does not unroll
+// before it splits the accumulator array into registers, hence the pragmas.)
 template <int M, int S, bool HOIST>
-inline void tile(const float* xt, int64_t K, const float* wp, float* y, int64_t N, int64_t col0) {
+inline void tile(const float* xt, int64_t K, const float* wp, float* y, int64_t N, int64_t col0,
+                 int64_t k0 = 0, int64_t k1 = -1, bool resume = false) {
+  if (k1 < 0) k1 = K;
   __m256 acc[S][M];
-  for (int s = 0; s < S; ++s)
-    for (int m = 0; m < M; ++m) acc[s][m] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
+  #pragma GCC unroll 16
+  for (int s = 0; s < S; ++s) {
+    const float* ys = y + col0 + s * 8;
+    bool full = N - col0 - s * 8 >= 8;
+    __m256i cols = column_mask(N - col0 - s * 8);
+    #pragma GCC unroll 16
+    for (int m = 0; m < M; ++m)
+      acc[s][m] = !resume ? _mm256_setzero_ps() : full ? _mm256_loadu_ps(ys + m * N) : _mm256_maskload_ps(ys + m * N, cols);
+  }
+  for (int64_t k = k0; k < k1; ++k) {
     const float* xk = xt + k * 8;
     if constexpr (HOIST) {
       __m256 xb[M];
+      #pragma GCC unroll 16
       for (int m = 0; m < M; ++m) xb[m] = _mm256_broadcast_ss(xk + m);
+      #pragma GCC unroll 16
       for (int s = 0; s < S; ++s) {
         __m256 w = _mm256_loadu_ps(wp + s * K * 8 + k * 8);
+        #pragma GCC unroll 16
         for (int m = 0; m < M; ++m) acc[s][m] = _mm256_fmadd_ps(xb[m], w, acc[s][m]);
       }
-    } else {
-      for (int s = 0; s < S; ++s) {
-        __m256 w = _mm256_loadu_ps(wp + s * K * 8 + k * 8);
-        for (int m = 0; m < M; ++m) acc[s][m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m), w, acc[s][m]);
+    } else {  // the S weight vectors, then one broadcast per row: S + 1 + S * M <= 16 registers, no spill
+      __m256 w[S];
+      #pragma GCC unroll 16
+      for (int s = 0; s < S; ++s) w[s] = _mm256_loadu_ps(wp + s * K * 8 + k * 8);
+      #pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) {
+        __m256 xm = _mm256_broadcast_ss(xk + m);
+        #pragma GCC unroll 16
+        for (int s = 0; s < S; ++s) acc[s][m] = _mm256_fmadd_ps(xm, w[s], acc[s][m]);
       }
     }
   }
-  alignas(32) float buf[8];
+  #pragma GCC unroll 16
   for (int s = 0; s < S; ++s) {
-    int64_t c = col0 + s * 8;
-    int64_t ncols = std::min<int64_t>(8, N - c);
-    for (int m = 0; m < M; ++m) {
-      if (ncols == 8) {
-        _mm256_storeu_ps(y + m * N + c, acc[s][m]);
-      } else {
-        _mm256_store_ps(buf, acc[s][m]);
-        for (int j = 0; j < ncols; ++j) y[m * N + c + j] = buf[j];
-      }
+    float* ys = y + col0 + s * 8;
+    if (N - col0 - s * 8 >= 8) {  // (a masked store is several times slower on Zen 1: only the ragged group)
+      #pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) _mm256_storeu_ps(ys + m * N, acc[s][m]);
+    } else {
+      __m256i cols = column_mask(N - col0 - s * 8);
+      #pragma GCC unroll 16
+      for (int m = 0; m < M; ++m) _mm256_maskstore_ps(ys + m * N, cols, acc[s][m]);
     }
   }
 }
@@ -81,6 +115,60 @@ void run_split(const float* xa, const float* xb, int64_t K, const float* w, floa
     tile<4, 1, true>(xa, K, w + g * K * 8, y, N, g * 8);
     tile<MB, 1, true>(xb, K, w + g * K * 8, y + 4 * N, N, g * 8);
   }
+}
+
+// The many-row path (M > 8), GotoBLAS-style: for each chunk of groups (in L2) and each K block, a tile's
+// weight panel (KC * S * 32 bytes) stays in L1 while every row block runs over it; a row block's
+// accumulators go to y between K blocks and come back (`resume`), which keeps each output's FMA chain
+// in k order. Streaming whole K per row block ran at half oneDNN's speed (every weight from L2).
+constexpr int64_t CHUNK_BYTES = 256 * 1024;
+constexpr int64_t KC = 128;
+constexpr int64_t SINGLE_BLOCK_ROWS = 4;  // up to this many rows: one block, streamed from memory
+
+template <int M, int S>
+void tiles_over_rows(const std::vector<std::vector<float>>& xts, const std::vector<int64_t>& starts, int64_t K,
+                     const float* wg, float* y, int64_t N, int64_t col0, int64_t k0, int64_t k1) {
+  for (size_t b = 0; b + 1 < starts.size(); ++b) {
+    int64_t mb = starts[b + 1] - starts[b];
+    float* yb = y + starts[b] * N;
+    const float* xt = xts[b].data();
+    bool resume = k0 > 0;
+    if (mb == M) tile<M, S, false>(xt, K, wg, yb, N, col0, k0, k1, resume);
+    else if (mb == M - 1) tile<(M > 1 ? M - 1 : 1), S, false>(xt, K, wg, yb, N, col0, k0, k1, resume);
+    else TORCH_CHECK(false, "row blocks must be balanced");
+  }
+}
+
+void run_many(const std::vector<std::vector<float>>& xts, const std::vector<int64_t>& starts, int64_t K, const float* w,
+              float* y, int64_t N, int64_t G) {
+  int64_t rows = 0;  // the largest block (balanced: the others have as many rows or one less)
+  for (size_t b = 0; b + 1 < starts.size(); ++b) rows = std::max<int64_t>(rows, starts[b + 1] - starts[b]);
+  int64_t S = rows <= 3 ? 4 : rows == 4 ? 3 : 2;
+  int64_t per_chunk = std::max<int64_t>(S, CHUNK_BYTES / (K * 32) / S * S);
+  int64_t chunks = (G + per_chunk - 1) / per_chunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      int64_t g_end = std::min<int64_t>(G, (c + 1) * per_chunk);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        int64_t k1 = std::min<int64_t>(K, k0 + KC);
+        int64_t g = c * per_chunk;
+        for (; g + S <= g_end; g += S) {
+          const float* wg = w + g * K * 8;
+          if (rows == 6) tiles_over_rows<6, 2>(xts, starts, K, wg, y, N, g * 8, k0, k1);
+          else if (rows == 5) tiles_over_rows<5, 2>(xts, starts, K, wg, y, N, g * 8, k0, k1);
+          else if (rows == 4) tiles_over_rows<4, 3>(xts, starts, K, wg, y, N, g * 8, k0, k1);
+          else tiles_over_rows<3, 4>(xts, starts, K, wg, y, N, g * 8, k0, k1);
+        }
+        for (; g < g_end; ++g) {
+          const float* wg = w + g * K * 8;
+          if (rows == 6) tiles_over_rows<6, 1>(xts, starts, K, wg, y, N, g * 8, k0, k1);
+          else if (rows == 5) tiles_over_rows<5, 1>(xts, starts, K, wg, y, N, g * 8, k0, k1);
+          else if (rows == 4) tiles_over_rows<4, 1>(xts, starts, K, wg, y, N, g * 8, k0, k1);
+          else tiles_over_rows<3, 1>(xts, starts, K, wg, y, N, g * 8, k0, k1);
+        }
+      }
+    }
+  });
 }
 
 void dispatch(int64_t m, const float* xt, int64_t K, const float* w, float* y, int64_t N, int64_t G) {
@@ -119,18 +207,20 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
       for (int64_t k = 0; k < K; ++k) xt[k * 8 + m] = xp[(m0 + m) * K + k];
     return xt;
   };
-  if (M == 7 || M == 8) {
-    auto xa = transposed(0, 4), xb = transposed(4, M - 4);
-    if (M == 8) run_split<4>(xa.data(), xb.data(), K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
-    else run_split<3>(xa.data(), xb.data(), K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
+  if (M <= SINGLE_BLOCK_ROWS) {
+    auto xt = transposed(0, M);
+    dispatch(M, xt.data(), K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
   } else {
-    for (int64_t m0 = 0; m0 < M;) {
-      // row blocks of at most 6 (the register file holds the accumulators of 6 rows x 2 groups)
-      int64_t mb = std::min<int64_t>(6, M - m0);
-      auto xt = transposed(m0, mb);
-      dispatch(mb, xt.data(), K, packed.data_ptr<float>(), y.data_ptr<float>() + m0 * N, N, G);
-      m0 += mb;
-    }
+    // balanced row blocks of at most 4 (4 rows x 3 groups = 12 accumulators; 6 x 2 measured slower):
+    // 5 rows = 3 + 2, 9 = 3 + 3 + 3, 12 = 4 + 4 + 4
+    int64_t blocks = (M + 3) / 4;
+    std::vector<int64_t> starts(blocks + 1);
+    std::vector<std::vector<float>> xts(blocks);
+    for (int64_t b = 0; b <= blocks; ++b) starts[b] = (M * b) / blocks;
+    at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) xts[b] = transposed(starts[b], starts[b + 1] - starts[b]);
+    });
+    run_many(xts, starts, K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
   }
   if (bias.has_value()) y.add_(bias.value());
   return y;

@@ -10,10 +10,10 @@ modeling code:
 ===================  ======================================================================
 ``float32``          stock model, float32 (the reference numerics of the equality tests)
 ``bfloat16``         stock model cast to bfloat16
-``float32_packed``   float32 weights prepacked once: our small-batch kernel (``csrc/small_gemm.cpp``,
-                     AVX2/FMA, compiled on first use) for products of up to 8 rows, oneDNN's
-                     for wider ones (two packed copies, 2x the float32 weight bytes; without the
-                     kernel MKL's packed GEMV does one-row products)
+``float32_packed``   float32 weights prepacked once: our kernel (``csrc/small_gemm.cpp``, AVX2/FMA,
+                     compiled on first use) for every row count (one packed copy, the float32 weight
+                     bytes; every row computed in the same order whatever the row count); without
+                     the kernel oneDNN's prepacked GEMM (and MKL's packed GEMV for one row)
 ``bfloat16_packed``  bfloat16 weights prepacked once (needs native bf16: AVX512-BF16/AMX): our
                      AVX-512 kernel (``csrc/small_gemm_avx512.cpp``: vdpbf16ps, every row computed
                      in the same order whatever the row count) where it builds, oneDNN's otherwise;
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from .apply import apply_runtime
 from .choice import DEFAULT_CANDIDATES, RuntimeChoice, choose_runtime, float32_redundant, pick_runtime
-from .kernels import AVX512_FLAGS, KERNELS_VERSION, SMALL_GEMM_MAX_ROWS, avx512_kernels, runtime_cache_key, small_gemm
+from .kernels import AVX512_FLAGS, KERNELS_VERSION, avx512_kernels, runtime_cache_key, small_gemm
 from .linears import (INT4_GROUP, Int4Block, Int4Linear, PackedLinear, RowInt8Linear, int4_supported_shape,
                       quantize_int4_rtn)
 from .memory import release_file_mappings
@@ -83,7 +83,6 @@ __all__ = [
     "DEFAULT_CANDIDATES",
     "AVX512_FLAGS",
     "KERNELS_VERSION",
-    "SMALL_GEMM_MAX_ROWS",
     "small_gemm",
     "INT4_GROUP",
     "int4_supported_shape",

@@ -51,15 +51,15 @@ class RuntimeChoice:
 
 DEFAULT_CANDIDATES = ("float32", "float32_packed", "bfloat16_packed", "int4")
 FLOAT32_REDUNDANT = ("bf16 is native here: a float32 step moves twice the bytes (1.9-2.6x slower on Zen 4, Zen 5 "
-                     "and a Xeon with AMX) and float32_packed's copies take ~3x the model's memory")
+                     "and a Xeon with AMX) and float32 weights take twice bfloat16's memory")
 
 
 def float32_redundant(runtime: str, candidates: tuple[str, ...], device: str | torch.device = "cpu") -> bool:
     """Whether ``runtime`` is a float32 candidate that ``bfloat16_packed`` (also a candidate, and runnable)
     makes not worth measuring. Decoding a 1.5B model is bound by the bytes of weight it streams: on every
     bf16-native CPU we measured, ``bfloat16_packed`` beat both float32 runtimes at every row count, and
-    measuring ``float32_packed`` (float32 weights plus two packed copies) set ``make all``'s memory peak
-    (20 GB of 24)."""
+    measuring ``float32_packed`` (then float32 weights plus two packed copies) set ``make all``'s memory
+    peak (20 GB of 24)."""
     return (runtime in ("float32", "float32_packed") and "bfloat16_packed" in candidates
             and runtime_unavailable("bfloat16_packed", device) is None)
 
@@ -103,7 +103,7 @@ def choose_runtime(
     already switched to that runtime) and pick one with :func:`pick_runtime`.
 
     The choice is printed through ``log`` when measured, not when read from the cache. One model is
-    alive at a time (a packed float32 copy of a 1.5B model is ~14 GB). On CUDA the choice
+    alive at a time (switching a 1.5B model to ``float32_packed`` peaks at ~15 GB). On CUDA the choice
     is ``bfloat16`` without measuring. ``int4`` is a candidate only when ``int4_exact`` (the model's
     int4 weights are its own GGUF blocks, not a lossy re-quantization) and its kernel beats the dense
     one on at least one-row products (otherwise it would run dense everywhere). Where ``bfloat16_packed``

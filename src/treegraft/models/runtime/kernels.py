@@ -14,11 +14,10 @@ import torch
 from ...machine import cpu_line
 from ...torch_ops import mkl_packing_available
 
-__all__ = ["KERNELS_VERSION", "SMALL_GEMM_MAX_ROWS", "AVX512_FLAGS", "KERNELS", "Kernel", "KernelBuildError", "build_kernel",
+__all__ = ["KERNELS_VERSION", "AVX512_FLAGS", "KERNELS", "Kernel", "KernelBuildError", "build_kernel",
            "strict_kernels", "small_gemm", "avx512_kernels", "runtime_cache_key"]
 
-KERNELS_VERSION = 5  # part of every cached measurement's key: bump when a runtime's kernels change
-SMALL_GEMM_MAX_ROWS = 8
+KERNELS_VERSION = 6  # part of every cached measurement's key: bump when a runtime's kernels change
 _CSRC = Path(__file__).parent.parent / "csrc"
 
 

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ...torch_ops import int4_mm, int4_pack, mkl_linear, mkl_pack, onednn_linear, onednn_pack
 from . import kernels as _kernels
-from .kernels import SMALL_GEMM_MAX_ROWS, _mkl_packing, avx512_kernels
+from .kernels import _mkl_packing, avx512_kernels
 from .names import RuntimeUnavailable, runtime_unavailable
 
 __all__ = ["INT4_GROUP", "PackedLinear", "RowInt8Linear", "Int4Block", "quantize_int4_rtn", "int4_supported_shape",
@@ -23,14 +24,24 @@ def _flatten(x: torch.Tensor, features: int) -> torch.Tensor:
     return x2 if x2.is_contiguous() else x2.contiguous()
 
 
+# float32_packed with the AVX2 kernel: products of more rows than this (prompt prefill) run MKL's GEMM on
+# a dense copy of the weight rebuilt for the call (the kernel's row blocks ran a 512-token prefill of
+# the 1.5B 1.7x slower than oneDNN on a Zen 1 EPYC); up to it, every row count takes the kernel, so a
+# verification row equals the one-token forward of its prefix bit for bit.
+WIDE_ROWS = 64
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` with its weight prepacked once (same maths, other kernels).
 
     Inputs of any shape ``[..., in_features]`` and dtype; the product runs in ``dtype`` (float32 or
     bfloat16) and the output comes back in the input's dtype, shape ``[..., out_features]``.
-    float32 products of up to 8 rows use :func:`~.kernels.small_gemm` (or, without it, MKL's packed GEMV for
-    one row), wider ones oneDNN's; bfloat16 uses :func:`avx512_kernels` (it matches or beats oneDNN
-    from 1 to 512 rows on a Zen 5 EPYC), oneDNN where that kernel is missing. ``onednn_above``
+    float32 products of up to :data:`WIDE_ROWS` rows use :func:`~.kernels.small_gemm` where it builds
+    (AVX2 + FMA: one packed copy of the weights, each row computed in the same order whatever the row
+    count), wider ones MKL's GEMM on a dense copy rebuilt for the call; without the kernel oneDNN's
+    prepacked GEMM (and MKL's packed GEMV for one row); bfloat16 uses
+    :func:`avx512_kernels` (it matches or beats oneDNN from 1 to 512 rows on a Zen 5 EPYC), oneDNN where
+    that kernel is missing. ``onednn_above``
     (bfloat16 with the AVX-512 kernel only): products of more rows than this go to a second,
     oneDNN-packed copy of the weight (AMX where the CPU has it); None keeps one kernel for every row.
     """
@@ -58,18 +69,23 @@ class PackedLinear(nn.Module):
                 self.packed = onednn_pack(weight)
                 self.bias_bf16 = None if bias is None else bias.detach().to(torch.bfloat16).clone()
             return
-        try:
-            self.packed = onednn_pack(weight)
-        except RuntimeError as err:
-            raise RuntimeUnavailable(f"oneDNN cannot pack a {dtype} weight on this CPU: {str(err).splitlines()[0]}") from err
         self.small = _kernels.small_gemm() if dtype == torch.float32 else None
         self.small_packed = self.small.pack(weight) if self.small is not None else None
+        if self.small is None:  # (with the kernel, no second copy: it doubled a float32 model's memory)
+            try:
+                self.packed = onednn_pack(weight)
+            except RuntimeError as err:
+                raise RuntimeUnavailable(f"oneDNN cannot pack a {dtype} weight on this CPU: {str(err).splitlines()[0]}") from err
         self.mkl_packed = None
         if dtype == torch.float32 and self.small is None and _mkl_packing():
             self.mkl_packed = mkl_pack(weight, 1)
             # _mkl_linear reads only the shape of its dense-weight argument when the row count matches
             # the packing's batch size (1 here), so a zero-stride view stands in for it (no memory)
             self._shape_only = torch.zeros(1, 1).expand(self.out_features, self.in_features)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] float32 weight rebuilt from the kernel's packing (a transient copy)."""
+        return self.small_packed.permute(0, 2, 1).reshape(-1, self.in_features)[: self.out_features]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, dtype: torch.dtype = torch.float32, keep_weight: bool = False,
@@ -87,7 +103,10 @@ class PackedLinear(nn.Module):
             return y.to(x.dtype).reshape(*lead, self.out_features)
         if x2.dtype != self.dtype:
             x2 = x2.to(self.dtype)
-        if self.small is not None and x2.shape[0] <= SMALL_GEMM_MAX_ROWS:
+        if self.small is not None and x2.shape[0] > WIDE_ROWS:  # prefill-sized: MKL's GEMM on a transient dense copy
+            weight = self.weight if self.weight is not None else self.dense_weight()
+            y = F.linear(x2, weight, self.bias)
+        elif self.small is not None:
             y = self.small.linear(x2, self.small_packed, self.out_features, self.bias)
         elif self.mkl_packed is not None and x2.shape[0] == 1:
             y = mkl_linear(x2, self.mkl_packed, self._shape_only, self.bias, 1)
