@@ -1,22 +1,20 @@
 // Float32 linear for CPUs with AVX2 + FMA: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), any M (tuned for
-// the 1-16 rows of a speculative decoder's forwards).
+// the 1-64 rows of a speculative decoder's forwards; PackedLinear sends prefill-sized products to MKL).
 //
 // Why: a speculative decoder's forwards have 1 to ~16 rows. For them a linear is a stream over the
 // weights, and PyTorch's kernels either stream well for one row only (MKL's packed GEMV) or pay
 // nearly a full extra pass per extra row (oneDNN, MKL GEMM): on an AVX2-only EPYC an 8960x1536 linear
 // takes 3.3 ms for 1 row and 6-8 ms for 2-4. Here the weights are packed once into groups of 8
-// output columns, [N/8][K][8], and each group is read once for up to 6 rows; several groups are
-// streamed at once (4 for 1-3 rows, 3 for 4, 2 for 5-6) so that enough cache misses are in flight to
-// keep the memory bus busy. 7 and 8 rows go as two row blocks over each chunk of groups, the second
-// reading the weights from L2. Measured on that EPYC (one thread, 1536 -> 8960): 2.8 ms for 1 row,
-// 3.3 for 4, 4.5 for 6, 5.6 for 8 (7.2 when 8 rows streamed the weights twice); oneDNN with a
-// prepacked weight takes 6.9-9.4 ms for 2-8 rows.
+// output columns, [N/8][K][8]. Up to 4 rows read each group once, streaming several groups at once (4
+// for 1-3 rows, 3 for 4) so that enough cache misses are in flight to keep the memory bus busy. More
+// rows go as balanced row blocks of at most 4 over chunks of groups and K blocks that stay in cache
+// (run_many). Measured on a Zen 1 EPYC (one thread, 1536 -> 8960, median of 5, noisy machine): 1 row
+// 4.2 ms (oneDNN with a prepacked weight 7.1), 4 rows 5.4 (9.1), 8 rows 9.4 (12.3), 16 rows 17.3
+// (20.8), 32 rows 32.4 (31.1).
 //
-// More than 8 rows (wide verifications, prefill) go as balanced row blocks of at most 6 over chunks of
-// groups that stay in L2, chunk-major: each chunk comes from memory once and every row block reads it
-// from cache, so this one packed copy serves every row count (no second, oneDNN-packed copy of the
-// weights: that copy doubled a float32 model's memory). Every output is one accumulator's FMA chain
-// over k = 0 .. K-1 whatever M and the tile shape, so a row's result is bit-identical at every M.
+// One packed copy serves every row count (a second, oneDNN-packed copy for wide products doubled a
+// float32 model's memory). Every output is one accumulator's FMA chain over k = 0 .. K-1 whatever M
+// and the tiling, so a row's result is bit-identical at every M.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -99,28 +97,11 @@ void run(const float* xt, int64_t K, const float* w, float* y, int64_t N, int64_
   for (int64_t g = chunks * S; g < G; ++g) tile<M, 1, HOIST>(xt, K, w + g * K * 8, y, N, g * 8);
 }
 
-// 7-8 rows: rows 0-3 and then rows 4-7 over the same S groups, so the second pass reads the weights
-// from L2 (S * K * 32 bytes, 144 KB for K = 1536) instead of streaming them from memory twice.
-template <int MB>
-void run_split(const float* xa, const float* xb, int64_t K, const float* w, float* y, int64_t N, int64_t G) {
-  constexpr int S = 3;
-  int64_t chunks = G / S;
-  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      tile<4, S, false>(xa, K, w + c * S * K * 8, y, N, c * S * 8);
-      tile<MB, S, false>(xb, K, w + c * S * K * 8, y + 4 * N, N, c * S * 8);
-    }
-  });
-  for (int64_t g = chunks * S; g < G; ++g) {
-    tile<4, 1, true>(xa, K, w + g * K * 8, y, N, g * 8);
-    tile<MB, 1, true>(xb, K, w + g * K * 8, y + 4 * N, N, g * 8);
-  }
-}
-
-// The many-row path (M > 8), GotoBLAS-style: for each chunk of groups (in L2) and each K block, a tile's
+// The many-row path (M > 4), GotoBLAS-style: for each chunk of groups (in L2) and each K block, a tile's
 // weight panel (KC * S * 32 bytes) stays in L1 while every row block runs over it; a row block's
 // accumulators go to y between K blocks and come back (`resume`), which keeps each output's FMA chain
-// in k order. Streaming whole K per row block ran at half oneDNN's speed (every weight from L2).
+// in k order. Streaming whole K per row block ran at half oneDNN's speed (every weight from L2), and
+// 8 rows this way take 1120 ms for the 1.5B's forward where two full-K blocks took 1552 (Zen 1 EPYC).
 constexpr int64_t CHUNK_BYTES = 256 * 1024;
 constexpr int64_t KC = 128;
 constexpr int64_t SINGLE_BLOCK_ROWS = 4;  // up to this many rows: one block, streamed from memory
@@ -176,9 +157,7 @@ void dispatch(int64_t m, const float* xt, int64_t K, const float* w, float* y, i
     case 1: run<1, 4, true>(xt, K, w, y, N, G); break;
     case 2: run<2, 4, true>(xt, K, w, y, N, G); break;
     case 3: run<3, 4, true>(xt, K, w, y, N, G); break;
-    case 4: run<4, 3, false>(xt, K, w, y, N, G); break;
-    case 5: run<5, 2, true>(xt, K, w, y, N, G); break;
-    default: run<6, 2, false>(xt, K, w, y, N, G); break;
+    default: run<4, 3, false>(xt, K, w, y, N, G); break;
   }
 }
 
