@@ -283,19 +283,22 @@ def test_tables_and_figures_from_saved_records_alone(smoke, tmp_path):
     main = tables["main"].set_index("method")
     assert main.loc["ar", "mean speedup"] == pytest.approx(1.0)
     assert (main["mismatches"] == 0).all()
-    # every figure carries its 95% CI and n: CSV columns, and "value [lo, hi]" cells in Markdown / LaTeX
-    assert (main["mean speedup lo"] <= main["mean speedup"] + 1e-12).all()
-    assert (main["mean speedup"] <= main["mean speedup hi"] + 1e-12).all()
-    assert (main["n prompts"] == 2).all()  # the smoke run: 1 prompt of each of 2 benchmarks
+    # every figure carries its 95% CI and n: CSV columns, and "value [lo, hi]" cells in Markdown / LaTeX;
+    # the smoke run evaluates 1 prompt of each of 2 benchmarks, and resampling within benchmarks of one
+    # prompt has nothing to draw: the CI columns are empty and the cells say "[no CI]", never [x, x]
+    assert (main["n prompts"] == 2).all()
+    assert main["mean speedup"].notna().all()
+    assert main["mean speedup lo"].isna().all() and main["mean speedup hi"].isna().all()
     gain = tables["gain"].iloc[0]
     for col in ("gain vs better endpoint %", "gain vs best HF peer %"):
-        assert gain[f"{col} lo"] <= gain[col] <= gain[f"{col} hi"]
+        assert gain[col] == gain[col] and gain[f"{col} lo"] != gain[f"{col} lo"]
     assert set(tables["held_out"]["split"]) == {"held-out benchmark"}
     offline = tables["offline_scheduler"]
-    assert offline["pct_of_oracle_lo"].notna().all() and (offline["prompts"] > 0).all()
+    assert offline["pct_of_oracle"].notna().all() and (offline["prompts"] > 0).all()
+    assert offline["pct_of_oracle_lo"].isna().all()  # one collected prompt a benchmark: no CI either
     assert not tables["offline_contrasts"].empty
     md = (tmp_path / "main.md").read_text()
-    assert "mean speedup" in md and "1.00 [1.00, 1.00]" in md  # ar against itself
+    assert "mean speedup" in md and "1.00 [no CI]" in md  # ar against itself
     for name in ("main", "gain", "ablation", "scheduling", "held_out", "offline_scheduler", "offline_contrasts", "oof",
                  "intervals"):
         for ext in ("csv", "md", "tex"):

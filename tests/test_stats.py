@@ -66,6 +66,17 @@ def test_a_constant_ratio_has_a_zero_width_ci_however_the_prompts_vary():
     assert (ci.value, ci.low, ci.high) == pytest.approx((2.0, 2.0, 2.0))
 
 
+def test_one_prompt_a_benchmark_has_no_ci_not_a_zero_width_one():
+    """Resampling within benchmarks of one prompt each redraws the same sample every time: the CI is
+    undefined (shown as "[no CI]"), where a zero-width interval would claim certainty."""
+    ar, method = np.array([3.0, 5.0, 9.0]), np.array([1.0, 4.0, 2.0])
+    ci = interval(ratio_of_sums(ar, method), bootstrap_weights(["a", "b", "c"], 500))
+    assert ci.value == pytest.approx(17 / 7) and ci.low != ci.low and ci.high != ci.high
+    assert ci.format() == "2.43 [no CI]" and not ci.excludes(1.0)
+    pooled = interval(ratio_of_sums(ar, method), bootstrap_weights(["s"] * 3, 500))
+    assert pooled.low < pooled.value < pooled.high  # the same prompts in one stratum do resample
+
+
 def _records(times: dict[str, list[float]], benchmarks: list[str], pair: str = "p") -> pd.DataFrame:
     rows = []
     for method, walls in times.items():
@@ -106,7 +117,8 @@ def test_a_method_on_fewer_prompts_is_resampled_over_its_own():
     rec = _records({"ar": [2, 4, 6, 8], "m": [1, 2, 3, 4]}, ["x", "x", "y", "y"])
     rec = rec[~((rec["method"] == "m") & rec["question_id"].isin([1, 3]))]  # an ablation on the first prompt each
     ci = PromptTable(rec, 200).speedup("m", ["p"])
-    assert ci.n == 2 and ci.value == pytest.approx(2.0) and ci.low == pytest.approx(2.0)
+    assert ci.n == 2 and ci.value == pytest.approx(2.0)
+    assert ci.low != ci.low  # its own prompts are one a benchmark: nothing to resample, no CI
 
 
 def test_method_intervals_has_a_mean_row_per_method():

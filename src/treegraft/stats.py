@@ -50,9 +50,11 @@ class Interval:
         return self.low > x or self.high < x
 
     def format(self, fmt: str = "{:.2f}") -> str:
-        """``1.23 [1.10, 1.35]``"""
+        """``1.23 [1.10, 1.35]``; ``1.23 [no CI]`` where the CI is undefined (one prompt a benchmark)."""
         if self.value != self.value:
             return "--"
+        if self.low != self.low:
+            return f"{fmt.format(self.value)} [no CI]"
         return f"{fmt.format(self.value)} [{fmt.format(self.low)}, {fmt.format(self.high)}]"
 
     def __str__(self) -> str:
@@ -80,13 +82,15 @@ def interval(statistic: Callable[[np.ndarray], np.ndarray], weights: np.ndarray,
              level: float = DEFAULT_LEVEL) -> Interval:
     """The percentile CI of ``statistic``, a function of weight rows ``[K, N] -> [K]``, over the
     replicates ``weights`` [R, N]; the point estimate is ``statistic`` at all-one weights.
-    Replicates where the statistic is undefined (NaN) are dropped."""
+    Replicates where the statistic is undefined (NaN) are dropped. Where no replicate differs from the
+    sample (every stratum holds one unit: one prompt a benchmark) there is nothing to resample and the
+    CI is undefined (NaN), not a zero-width interval."""
     ones = np.ones((1, weights.shape[1]))
     value = float(np.asarray(statistic(ones), dtype=np.float64)[0])
     reps = np.asarray(statistic(weights), dtype=np.float64)
     reps = reps[np.isfinite(reps)]
     n = weights.shape[1] if n is None else n
-    if value != value or not len(reps):
+    if value != value or not len(reps) or np.all(weights == 1):
         return Interval(value, float("nan"), float("nan"), n, level)
     alpha = (1 - level) / 2
     low, high = np.quantile(reps, [alpha, 1 - alpha])
