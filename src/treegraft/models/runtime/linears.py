@@ -25,9 +25,9 @@ def _flatten(x: torch.Tensor, features: int) -> torch.Tensor:
 
 
 # float32_packed with the AVX2 kernel: products of more rows than this (prompt prefill) run MKL's GEMM on
-# a dense copy of the weight rebuilt for the call (the kernel's row blocks ran a 512-token prefill of
-# the 1.5B 1.7x slower than oneDNN on a Zen 1 EPYC); up to it, every row count takes the kernel, so a
-# verification row equals the one-token forward of its prefix bit for bit.
+# a dense copy of the weight rebuilt for the call (a 512-token prefill of the 1.5B on a Zen 1 EPYC:
+# 55-65 s this way, 62-73 s through the kernel's row blocks, alternating in one process); up to it,
+# every row count takes the kernel, so a verification row equals the one-token forward bit for bit.
 WIDE_ROWS = 64
 
 
