@@ -109,22 +109,23 @@ constexpr int64_t SINGLE_BLOCK_ROWS = 4;  // up to this many rows: one block, st
 template <int M, int S>
 void tiles_over_rows(const std::vector<std::vector<float>>& xts, const std::vector<int64_t>& starts, int64_t K,
                      const float* wg, float* y, int64_t N, int64_t col0, int64_t k0, int64_t k1) {
+  static_assert(M > 1, "balanced blocks of M or M - 1 rows");
   for (size_t b = 0; b + 1 < starts.size(); ++b) {
     int64_t mb = starts[b + 1] - starts[b];
     float* yb = y + starts[b] * N;
     const float* xt = xts[b].data();
     bool resume = k0 > 0;
     if (mb == M) tile<M, S, false>(xt, K, wg, yb, N, col0, k0, k1, resume);
-    else if (mb == M - 1) tile<(M > 1 ? M - 1 : 1), S, false>(xt, K, wg, yb, N, col0, k0, k1, resume);
+    else if (mb == M - 1) tile<M - 1, S, false>(xt, K, wg, yb, N, col0, k0, k1, resume);
     else TORCH_CHECK(false, "row blocks must be balanced");
   }
 }
 
+// Blocks of at most M rows (the others one less) over G groups: S groups a tile, the chunk's last
+// groups one at a time.
+template <int M, int S>
 void run_many(const std::vector<std::vector<float>>& xts, const std::vector<int64_t>& starts, int64_t K, const float* w,
               float* y, int64_t N, int64_t G) {
-  int64_t rows = 0;  // the largest block (balanced: the others have as many rows or one less)
-  for (size_t b = 0; b + 1 < starts.size(); ++b) rows = std::max<int64_t>(rows, starts[b + 1] - starts[b]);
-  int64_t S = rows <= 3 ? 4 : rows == 4 ? 3 : 2;
   int64_t per_chunk = std::max<int64_t>(S, CHUNK_BYTES / (K * 32) / S * S);
   int64_t chunks = (G + per_chunk - 1) / per_chunk;
   at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
@@ -133,20 +134,8 @@ void run_many(const std::vector<std::vector<float>>& xts, const std::vector<int6
       for (int64_t k0 = 0; k0 < K; k0 += KC) {
         int64_t k1 = std::min<int64_t>(K, k0 + KC);
         int64_t g = c * per_chunk;
-        for (; g + S <= g_end; g += S) {
-          const float* wg = w + g * K * 8;
-          if (rows == 6) tiles_over_rows<6, 2>(xts, starts, K, wg, y, N, g * 8, k0, k1);
-          else if (rows == 5) tiles_over_rows<5, 2>(xts, starts, K, wg, y, N, g * 8, k0, k1);
-          else if (rows == 4) tiles_over_rows<4, 3>(xts, starts, K, wg, y, N, g * 8, k0, k1);
-          else tiles_over_rows<3, 4>(xts, starts, K, wg, y, N, g * 8, k0, k1);
-        }
-        for (; g < g_end; ++g) {
-          const float* wg = w + g * K * 8;
-          if (rows == 6) tiles_over_rows<6, 1>(xts, starts, K, wg, y, N, g * 8, k0, k1);
-          else if (rows == 5) tiles_over_rows<5, 1>(xts, starts, K, wg, y, N, g * 8, k0, k1);
-          else if (rows == 4) tiles_over_rows<4, 1>(xts, starts, K, wg, y, N, g * 8, k0, k1);
-          else tiles_over_rows<3, 1>(xts, starts, K, wg, y, N, g * 8, k0, k1);
-        }
+        for (; g + S <= g_end; g += S) tiles_over_rows<M, S>(xts, starts, K, w + g * K * 8, y, N, g * 8, k0, k1);
+        for (; g < g_end; ++g) tiles_over_rows<M, 1>(xts, starts, K, w + g * K * 8, y, N, g * 8, k0, k1);
       }
     }
   });
@@ -199,7 +188,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
     at::parallel_for(0, blocks, 16, [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) xts[b] = transposed(starts[b], starts[b + 1] - starts[b]);
     });
-    run_many(xts, starts, K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
+    // M > 4 rows in ceil(M / 4) blocks: the largest holds 3 (M = 5, 6) or 4 rows
+    if ((M + blocks - 1) / blocks == 4) run_many<4, 3>(xts, starts, K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
+    else run_many<3, 4>(xts, starts, K, packed.data_ptr<float>(), y.data_ptr<float>(), N, G);
   }
   if (bias.has_value()) y.add_(bias.value());
   return y;
