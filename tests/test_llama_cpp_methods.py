@@ -5,6 +5,7 @@ own so that the test workers share the llama.cpp tests.)"""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from treegraft.decoding import SamplingConfig
 from treegraft.decoding.sampling import target_distribution
@@ -105,3 +106,46 @@ def test_a_prompt_longer_than_a_batch_is_caught_up_in_several(smol, cache_dir):
     assert len(ids) > 2 * pair.middle.n_batch
     want = llama_decoder_for("ar", pair).generate(ids, 12).tokens
     assert llama_decoder_for("all_mid", pair, TREE, cache_dir=cache_dir).generate(ids, 12).tokens == want
+
+
+def test_decoders_share_one_encoding_of_a_prompt_and_each_is_charged_for_it(smol, smol_reference, cache_dir):
+    """With ``PromptReuse`` (what `evaluate` turns on): the first decoder encodes a prompt and saves seq 0,
+    the others restore it; each output, each n-gram score and each prefill time (the encoding's seconds,
+    charged) are those of a decoder that encoded the prompt itself."""
+    from treegraft.llama_cpp import llama_decoder_for
+    from treegraft.llama_cpp.engine import PromptReuse
+
+    prompts, want = smol_reference
+    alone = llama_decoder_for("all_small", smol, TREE, cache_dir=cache_dir)
+    request = (alone.cfg.ngram.top_m, alone.cfg.ngram.prefill_vocab)
+    alone_scores = alone.engine.prefill(prompts[0], *request)
+    smol.target.prompt_reuse = reuse = PromptReuse()
+    smol.middle.prompt_reuse = middle_reuse = PromptReuse()
+    try:
+        decoders = {m: llama_decoder_for(m, smol, TREE, cache_dir=cache_dir) for m in ("ar", "all_small", "all_mid", "all_call")}
+        for dec in decoders.values():  # warm-ups, as evaluate's: every decoder's score request is known after them
+            dec.generate(prompts[1], 4)
+        reuse.forget()
+        middle_reuse.forget()
+        for ids, ref in zip(prompts, want):
+            encoded = mid_encoded = None
+            for method, dec in decoders.items():
+                out = dec.generate(ids, 32)
+                assert out.tokens == ref, method
+                encoded = encoded or reuse.saved
+                assert reuse.saved is encoded, f"{method} encoded the prompt again"
+                assert reuse.saved.tokens == tuple(ids[:-1])
+                assert out.prefill_time_s >= encoded.seconds
+                if method == "all_mid":  # the first to call the middle drafter: it encodes the prompt there
+                    mid_encoded = middle_reuse.saved
+                    assert mid_encoded is not None and mid_encoded.tokens == tuple(ids[:-1])
+            assert middle_reuse.saved is mid_encoded, "all_call's middle drafter encoded the prompt again"
+            assert decoders["all_call"].middle.charged_s > 0  # charged for it instead
+        assert len(reuse.requests) == 2  # ar's full-vocabulary top-1 and the n-gram drafter's scores
+        shared = decoders["all_small"].engine.prefill(prompts[0], *request)  # encoded (prompts[1] was saved) ...
+        again = decoders["all_small"].engine.prefill(prompts[0], *request)  # ... then restored
+        assert decoders["all_small"].engine.prefill_charge_s > 0
+        for got in (shared, again):
+            assert all(torch.equal(a, b) for a, b in zip(got, alone_scores))
+    finally:
+        smol.target.prompt_reuse = smol.middle.prompt_reuse = None

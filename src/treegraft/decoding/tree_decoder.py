@@ -303,8 +303,13 @@ class TreeGraftDecoder:
         stats.verify_s += time.perf_counter() - start
         return inputs, acc
 
+    def _middle_charged(self) -> float:
+        """Seconds of a shared prompt encoding the middle drafter was charged since its reset (llama.cpp)."""
+        return getattr(self.middle, "charged_s", 0.0) if self.middle is not None else 0.0
+
     def _turn(self, root: int, generator, actions: Sequence[int] | None = None) -> tuple[list[int], TurnStats]:
         turn_start = time.perf_counter()
+        charged = self._middle_charged()
         stats = TurnStats()
         tree = self.build_tree(root, actions, stats)
         inputs, acc = self.verify_tree(tree, stats, generator)
@@ -338,7 +343,9 @@ class TreeGraftDecoder:
             self.planner.acceptance.update(tree, prune_order(tree), set(inputs.node_ids[1:]), path_nodes[1:], emitted,
                                            self.sampling.greedy)
         stats.accepted, stats.tree_nodes, stats.verified_nodes, stats.budget = acc.accepted, len(tree), budget, budget
-        stats.turn_s = time.perf_counter() - turn_start
+        charged = self._middle_charged() - charged  # a shared prompt encoding, charged as if done here
+        stats.middle_s += charged
+        stats.turn_s = time.perf_counter() - turn_start + charged
         stats.other_s = stats.turn_s - stats.small_s - stats.middle_s - stats.verify_s
         # what is not a model forward: tree building, n-gram lookups, masks, acceptance, cache compaction
         stats.outside_forward_s = stats.turn_s - stats.target_forward_s - stats.middle_forward_s
@@ -369,7 +376,10 @@ class TreeGraftDecoder:
 
         start = time.perf_counter()
         self._prefill(prompt_ids)
+        # a prompt encoding shared between decoders (llama.cpp's PromptReuse) counts in full
+        start -= getattr(self.engine, "prefill_charge_s", 0.0) + self._middle_charged()
         prefill_s = time.perf_counter() - start
+        charged = self._middle_charged()
         root = prompt_ids[-1]
         tokens: list[int] = []
         turns: list[dict] = []
@@ -391,7 +401,7 @@ class TreeGraftDecoder:
         return GenerationResult(
             tokens=tokens,
             prompt_tokens=len(prompt_ids),
-            wall_time_s=time.perf_counter() - start,
+            wall_time_s=time.perf_counter() - start + self._middle_charged() - charged,
             prefill_time_s=prefill_s,
             stop_reason=stop_reason,
             turns=turns,

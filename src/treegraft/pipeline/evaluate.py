@@ -133,6 +133,14 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
                **cpu_info()}
     target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
     on_llama = engine_info(pair)["engine"] == "llama_cpp"
+    reuses = []
+    if on_llama and e.get("share_prefill", True):  # one encoding of each prompt per model, charged to every method
+        from ..llama_cpp.engine import PromptReuse
+
+        for model in [pair.target] + [pair.middle] * (pair.middle is not None and pair.middle is not pair.target):
+            model.prompt_reuse = PromptReuse()
+            reuses.append(model.prompt_reuse)
+    context["prefill_shared"] = bool(reuses)
     wanted = {(b, m): method_prompts(cfg, m, prompts[b]) for b in benchmarks for m in methods}
     missing = {k: [q for q, _ in v if q not in saved[k]] for k, v in wanted.items()}
     todo = [m for m in methods if any(missing[b, m] for b in benchmarks)]
@@ -153,6 +161,8 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
         else:
             dec.generate(warm_ids, int(p.warmup_tokens))  # warm-up, not scored
         decoders[method] = dec
+    for reuse in reuses:
+        reuse.forget()  # every decoder's score request is known now; timed prompts are encoded afresh
     for bench in benchmarks:
         records = {m: dict(saved[bench, m]) for m in methods}
         for qid, ids in prompts[bench]:  # methods interleaved prompt by prompt: drift hits all alike
