@@ -3,12 +3,14 @@ Liquidators" effect, and tree signals on hand-built trees."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
 import torch
 
 from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
+from treegraft.decoding.budget import AcceptanceModel
 from treegraft.decoding.turn_stats import TurnStats
 from treegraft.scheduling import SIGNAL_NAMES, FixedScheduler, tree_signals
 from treegraft.tree import MIDDLE, SMALL, DraftTree, prune_to_budget
@@ -256,3 +258,21 @@ def test_warm_up_times_calls_without_the_prompt_catch_up(tiny_pair, monkeypatch)
     pending_at_call.clear()
     dec.generate(ids, 8)
     assert pending_at_call[0] == len(ids) - 1
+
+
+def test_warm_up_leaves_the_budget_planner_as_it_found_it(tiny_pair):
+    """The all-call warm-up measures the runtime context only: a planner that learned its drafting time
+    there would start the scored decoding pricing every turn as if it called the middle drafter at every
+    step, and verify large trees for a sunk cost that never comes."""
+    tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
+    ids = tok(" ".join(["the quick brown fox jumps over the lazy dog"] * 4)).input_ids
+    dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="fixed", budget="auto"))
+    dec.warm_up(ids, 8, repeats=2)
+    assert dec.planner is not None and dec.planner.draft_s is None  # the curve kept, nothing learned
+    assert dec.planner.acceptance.seen == AcceptanceModel().seen
+    dec.generate(ids, 8)
+    learned = copy.deepcopy(dec.planner)
+    assert learned.draft_s is not None
+    dec.warm_up(ids, 8)
+    assert dec.planner.draft_s == learned.draft_s and dec.planner.planned == learned.planned
+    assert dec.planner.acceptance.seen == learned.acceptance.seen
