@@ -93,3 +93,32 @@ def test_fixed_schedules_and_the_warm_up_never_back_off(tiny_pair):
     gate = dec.gate
     dec.warm_up(tok("abab abab abab ab").input_ids, 40)
     assert dec.gate is gate and gate.closures == 0  # the warm-up ran with the gate off
+
+
+def test_gate_stays_shut_for_a_prompt_whose_catch_up_costs_more_than_calls_could_save():
+    gate = CallGate(catch_up_share=0.5)
+    gate.reset(catch_up_s=6.0, plain_answer_s=10.0)  # the drafter's prefill alone: 60% of plain decoding
+    assert feed(gate, [(1, 0.1, 0)] * 5) == [False] * 5 and gate.closures == 0
+    gate.reset(catch_up_s=4.0, plain_answer_s=10.0)
+    assert gate.is_open
+    gate.reset()  # no estimate (no measured runtime context): open
+    assert gate.is_open
+
+
+def test_decoder_never_calls_where_the_prompt_catch_up_is_too_dear(tiny_pair):
+    """The catch-up is priced from the target's per-row verification cost times t_mid / t_tgt: with rows
+    a step's worth each (a CPU like a Zen 1's), a call-at-every-step policy never calls on this prompt and
+    its output is still `ar`'s; with nearly free rows (a GPU's curve) it calls."""
+    tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
+    ids = tok(" ".join(["the quick brown fox jumps over the lazy dog"] * 6)).input_ids
+    want = AutoregressiveDecoder(target, set()).generate(ids, 16).tokens
+    calls = {}
+    for name, per_row in (("linear", 1.0), ("flat", 1e-6)):
+        cfg = TreeConfig(method="fixed", budget="auto")
+        dec = TreeGraftDecoder(target, middle, tok, cfg, eos_ids=set(), scheduler=FixedScheduler([1] * cfg.depth))
+        dec._planner().curve = {n: 1.0 + per_row * (n - 1) for n in dec._planner().curve}
+        dec.t_tgt_ms, dec.t_mid_ms = 10.0, 5.0
+        out = dec.generate(ids, 16)
+        assert out.tokens == want
+        calls[name] = sum(t["middle_calls"] for t in out.turns)
+    assert calls["linear"] == 0 and calls["flat"] > 0

@@ -177,6 +177,23 @@ def _chain(depth: int, edge: float) -> DraftTree:
     return tree
 
 
+def test_a_one_off_drafting_cost_does_not_make_rows_look_cheap():
+    """A turn that carries a one-off (the middle drafter catching up on a 612-token prompt: 15 s on a Zen 1
+    EPYC) leaves t_draft at the recent turns' median: with a running mean the next ~20 turns verified
+    20-node trees on a curve where every row costs most of a step, 3x slower than plain decoding."""
+    linear = {n: 0.11 + 0.075 * (n - 1) for n in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)}
+    tree = DraftTree.with_root(0)
+    for i in range(30):  # a chain the calibration half believes
+        tree.add_child(i, 10 + i, -0.02 if i == 0 else -0.7, SMALL, 1)
+    planner = BudgetPlanner(linear, 63)
+    for other in [0.01] * 6 + [15.0]:
+        planner.observe(0, verify_s=0.11, other_s=other)
+    assert planner.draft_s == 0.01
+    assert planner.choose(tree) <= 1
+    spiked = BudgetPlanner(linear, 63, draft_s=15.0 * 0.9 ** 6)  # where a running mean would stand 6 turns on
+    assert spiked.choose(tree) >= planner.choose(tree) + 4  # rows a step's worth each, for a sunk cost
+
+
 def test_budget_planner_follows_curve_and_acceptance():
     flat = {1: 1.0, 2: 1.005, 4: 1.01, 8: 1.02, 16: 1.03, 32: 1.05, 64: 1.1}
     steep = {n: float(n) for n in (1, 2, 4, 8, 16, 32, 64)}  # every verified row costs a whole step

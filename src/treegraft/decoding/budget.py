@@ -12,7 +12,10 @@ as EAGLE-2 ranks its tree by confidence):
   KV cache, :func:`~treegraft.models.runtime.forward_curve`), cached per machine, model and runtime,
   and rescaled online by the ratio of observed verification times to the curve (longer contexts,
   machine drift);
-* ``t_draft`` is the running mean of everything in a turn but the verification forward;
+* ``t_draft`` is the median, over the last ``draft_window`` turns, of everything in a turn but the
+  verification forward (a median: a one-off such as the middle drafter's prompt catch-up, 15 s for a
+  612-token article on a Zen 1 EPYC, would hold a running mean up for dozens of turns, and a large
+  ``t_draft`` makes every verified row look cheap);
 * ``E[AL(B)] = sum_{k <= B} p(node_k)`` over the first B nodes in pruning order
   (:func:`~treegraft.tree.prune_order`): AL counts exactly the kept nodes on the target's path, so
   the expected AL of the top-B nodes is the sum of their acceptance probabilities. ``p`` is a
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -161,7 +165,9 @@ class BudgetPlanner:
     curve: dict[int, float]
     max_budget: int = 63
     acceptance: AcceptanceModel = field(default_factory=AcceptanceModel)
-    draft_s: float | None = None  # running mean of a turn's time outside the verification forward
+    draft_s: float | None = None  # median of the recent turns' time outside the verification forward
+    draft_window: int = 9  # turns the median covers
+    recent_draft: list[float] = field(default_factory=list)
     verify_scale: float = 1.0  # running mean of observed / curve verification time
     planned: float = 8.0  # running mean of the chosen B (the planning budget of the next construction)
     decay: float = 0.9
@@ -197,5 +203,6 @@ class BudgetPlanner:
         expected = curve_at(self.curve, budget + 1)
         if expected > 0 and verify_s > 0:
             self.verify_scale = self.decay * self.verify_scale + (1 - self.decay) * (verify_s / expected)
-        self.draft_s = other_s if self.draft_s is None else self.decay * self.draft_s + (1 - self.decay) * other_s
+        self.recent_draft = (self.recent_draft + [float(other_s)])[-self.draft_window:]
+        self.draft_s = statistics.median(self.recent_draft)
         self.planned = self.decay * self.planned + (1 - self.decay) * budget

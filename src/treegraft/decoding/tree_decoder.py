@@ -313,6 +313,17 @@ class TreeGraftDecoder:
         stats.verify_s += time.perf_counter() - start
         return inputs, acc
 
+    def _catch_up_estimate_s(self, prompt_len: int) -> float:
+        """What the middle drafter's first call of a prompt adds to a call: encoding the prompt's rows,
+        priced at the target's per-row cost in its widest measured verification times ``t_mid / t_tgt``
+        (the runtime context's ratio of the two models' costs); 0 without a measured context, or where
+        the prompt is encoded at prefill."""
+        if self.middle is None or self._eager_middle_prefill or not self.t_tgt_ms or not self.t_mid_ms:
+            return 0.0
+        curve = self._planner().curve
+        widest = max(curve)
+        return (prompt_len - 1) * curve[widest] / widest * self.t_mid_ms / self.t_tgt_ms
+
     def _middle_charged(self) -> float:
         """Seconds of a shared prompt encoding the middle drafter was charged since its reset (llama.cpp)."""
         return getattr(self.middle, "charged_s", 0.0) if self.middle is not None else 0.0
@@ -378,9 +389,8 @@ class TreeGraftDecoder:
         is still exactly the target's decoding under that rule)."""
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, None, self.engine.context_window())
         self.budget()
-        if self.gate is not None:
-            self._planner()  # the gate prices a plain step from the verification curve
-            self.gate.reset()
+        if self.gate is not None:  # the gate prices a plain step from the verification curve
+            self.gate.reset(self._catch_up_estimate_s(len(prompt_ids)), max_new_tokens * self._planner().verify_s(0))
         generator = make_generator(self.sampling, self.device)
         self.prompt_len = len(prompt_ids)
 
