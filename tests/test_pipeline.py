@@ -261,6 +261,30 @@ def test_cost_model_reads_verification_off_the_curve():
     assert fit_cost_model(df)["r2"] < model["r2"]
 
 
+def test_cost_model_never_prices_a_schedule_at_zero():
+    """Latencies that grow faster than the curve feature (here 1.5 x curve - 0.05 s, as on a llama.cpp
+    run) pull a free intercept to -0.05 s, and then the cheapest schedules cost ~0 s and their tokens/s
+    label is unbounded; the intercept is held at >= 0 like every per-call cost, and every schedule is
+    priced within 10% of what it took."""
+    from sklearn.linear_model import LinearRegression
+
+    from treegraft.models.runtime import curve_at
+
+    curve = {1: 0.073, 2: 0.095, 4: 0.131, 8: 0.200, 12: 0.296, 16: 0.400, 24: 0.541, 32: 0.724}
+    df = pd.DataFrame({k: np.zeros(31, dtype=int) for k in COST_FEATURES})
+    df["verified_nodes"] = np.arange(31)
+    df["latency_measured_s"] = [1.5 * curve_at(curve, b + 1) - 0.05 for b in df["verified_nodes"]]
+    df["step"] = 1
+    free = LinearRegression(positive=True).fit(np.c_[df["verified_nodes"], [curve_at(curve, b + 1) for b in range(31)]],
+                                               df["latency_measured_s"])
+    assert free.intercept_ < -0.04  # the case this guards against
+    model = fit_cost_model(df, curve)
+    assert model["intercept_s"] >= 0.0
+    assert np.allclose(apply_cost_model(df, model), df["latency_measured_s"], rtol=0.1)
+    with pytest.raises(ValueError, match="negative intercept_s"):
+        apply_cost_model(df, {**model, "intercept_s": -0.1})
+
+
 def test_evaluate_records_every_method_with_zero_greedy_mismatches(smoke):
     cfg, out, *_ = smoke
     eval_cfg = compose("evaluate", ["experiment=smoke", f"paths.output_dir={out}"])

@@ -110,22 +110,29 @@ def _cost_matrix(rows: pd.DataFrame, curve: dict | None) -> tuple[np.ndarray, li
 
 
 def fit_cost_model(rows: pd.DataFrame, curve: dict | None = None) -> dict:
-    """Per-call costs: latency = c0 + sum_k c_k * feature_k (non-negative least squares over schedules);
-    with ``curve`` (the target's verification curve) one feature is the curve at the schedule's tree size."""
+    """Per-call costs: latency = c0 + sum_k c_k * feature_k, non-negative least squares over schedules,
+    c0 included (a negative c0, which a free intercept takes when the curve feature grows faster than
+    the latencies, prices small trees at zero: their tokens/s label becomes unbounded); with ``curve``
+    (the target's verification curve) one feature is the curve at the schedule's tree size."""
     from sklearn.linear_model import LinearRegression
 
     per_schedule = rows[rows["step"] == 1]  # one row per (turn, schedule)
     x, names = _cost_matrix(per_schedule, curve)
     y = per_schedule["latency_measured_s"].to_numpy(np.float64)
-    reg = LinearRegression(positive=True).fit(x, y)
-    pred = reg.predict(x)
+    ones = np.ones((len(x), 1))
+    reg = LinearRegression(positive=True, fit_intercept=False).fit(np.concatenate([ones, x], axis=1), y)
+    intercept, coef = float(reg.coef_[0]), reg.coef_[1:]
+    pred = intercept + x @ coef
     r2 = 1 - np.sum((y - pred) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-18)
-    return {"intercept_s": float(reg.intercept_), **{f"{k}_s": float(c) for k, c in zip(names, reg.coef_)},
+    return {"intercept_s": intercept, **{f"{k}_s": float(c) for k, c in zip(names, coef)},
             "r2": float(r2), "schedules": int(len(per_schedule)),
             "verify_curve": {str(k): float(v) for k, v in curve.items()} if curve else None}
 
 
 def apply_cost_model(rows: pd.DataFrame, model: dict) -> np.ndarray:
+    if model["intercept_s"] < 0:
+        raise ValueError(f"cost_model.json has a negative intercept_s ({model['intercept_s']:.4f} s; expected >= 0): "
+                         "it was fitted before the intercept was constrained; rerun collect to refit it")
     x, names = _cost_matrix(rows, model.get("verify_curve"))
     lat = np.full(len(rows), model["intercept_s"]) + x @ np.array([model[f"{k}_s"] for k in names])
     return np.maximum(lat, 1e-6)
@@ -320,9 +327,9 @@ def run_collect(cfg, progress=None) -> pd.DataFrame:
         else:
             _collect_pair(cfg, pair_name, out_dir, console, progress)
         pair_rows = load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name)
-        if not collected:
-            curve = json.loads((out_dir / pair_name / "runtime.json").read_text()).get("verify_curve")
-            atomic_write_json(fit_cost_model(pair_rows, curve), out_dir / pair_name / "cost_model.json")
+        # refitted on every run (seconds), so a resumed collect never keeps a model fitted by older code
+        curve = json.loads((out_dir / pair_name / "runtime.json").read_text()).get("verify_curve")
+        atomic_write_json(fit_cost_model(pair_rows, curve), out_dir / pair_name / "cost_model.json")
         summary += collect_summary(pair_rows, int(cfg.tree.depth))
     df = pd.DataFrame(summary)
     from .artifacts import atomic_write_text
