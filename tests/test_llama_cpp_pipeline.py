@@ -17,7 +17,7 @@ OVERRIDES = ["experiment=smoke", "engine=llama_cpp", "pipeline.pairs=[smollm2-13
              "pipeline.max_enumerated_turns=1", "pipeline.warmup_repeats=1", "pipeline.max_prompt_tokens=48",
              "tree.budget=6", "tree.width=2", "tree.top_m=2",
              "evaluation.methods=[ar,all_small,treegraft]", "evaluation.max_new_tokens=12",
-             "engine.n_ctx=1024"]
+             "engine.n_ctx=1024", "pipeline.collect_schedule=[0,0,0,0,0]"]  # as cpu_llama decodes between enumerations
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +45,7 @@ def test_collect_records_the_engine_and_its_build(llama_smoke):
     assert runtime["engine"] == "llama_cpp" and runtime["engine_exact"] is True
     assert runtime["engine_build"] == patch_id() and runtime["runtime"] == "llama.cpp exact"
     assert runtime["t_tgt_ms"] > 0 and runtime["t_mid_ms"] > 0  # the runtime context, measured on this engine
+    assert runtime["collect_schedule"] == [0, 0, 0, 0, 0]  # the collecting decoder's own schedule, not tree.schedule
     shards = list((llama_smoke / "collect" / "smollm2-135m__self").glob("*/q*.parquet"))
     assert len(shards) == 2  # one prompt of each fitting benchmark
 

@@ -248,6 +248,8 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
 
     p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
+    if p.get("collect_schedule") is not None:  # the decoding between enumerated turns (the planner's state)
+        tree["schedule"] = [int(a) for a in p.collect_schedule]
     pair = load_engine_pair(pair_spec(pair_name), cfg, log=console.print, device=p.device, dtype=p.dtype)
     decoder = engine_decoder("fixed", pair, tree, cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True)
     budget = decoder.budget()
@@ -261,6 +263,7 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     atomic_write_json({"pair": pair_name, "runtime": pair.runtime, "middle_runtime": pair.middle_runtime,
                        **engine_info(pair), **cpu_info(), "budget": budget,
                        "budget_setting": str(cfg.tree.budget), "tree_shape": cfg.tree.shape,
+                       "collect_schedule": list(decoder.cfg.schedule),
                        "t_tgt_ms": t_tgt, "t_mid_ms": t_mid, "context_samples": decoder.context_samples,
                        "warmup_repeats": int(p.get("warmup_repeats", 1)), "verify_curve": curve},
                       collect_dir / pair_name / "runtime.json")

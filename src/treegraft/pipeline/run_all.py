@@ -104,7 +104,16 @@ def run_all(cfgs: dict[str, DictConfig]) -> dict[str, float]:
 
     def per_unit(name: str, units: float):
         weight = plan[name] / max(units, 1.0)
-        return lambda n=1: bar.update(round(n * weight)) if n else None
+
+        def advance(n=1) -> None:
+            if not n:
+                return
+            step = round(n * weight)
+            if bar.n + step >= bar.total:  # evaluate's later precision rounds go past the plan: stretch the bar
+                bar.total = round((bar.n + step) / 0.97) + 1
+            bar.update(step)
+
+        return advance
 
     c, e = cfgs["collect"], cfgs["evaluate"]
     collect_units = sum(int(pair_settings(c.pipeline, p).prompts_per_benchmark) * len(c.pipeline.fit_benchmarks)
