@@ -230,6 +230,42 @@ def test_an_input_constant_in_training_cannot_move_the_prediction():
     assert np.array_equal(model.predict(shifted), model.predict(x))
     assert not np.allclose(model.predict(x[:, [0, 0, 2]] + 1.0), model.predict(x))  # the other inputs still count
 
+def test_treegraft_deploys_the_best_fixed_schedule_where_the_distilled_scheduler_lost_offline(smoke):
+    """distill's check: a distilled scheduler below the best fixed schedule on held-out prompts is not
+    deployed; the saved scheduler says which policy runs, and the loader returns that policy."""
+    from treegraft.decoding.factory import load_learned_scheduler
+    from treegraft.scheduling.learned import LearnedScheduler, fixed_fallback
+    from treegraft.scheduling.policy import FixedScheduler, StepState
+
+    assert fixed_fallback(2.5, "00000") is None and fixed_fallback(None, "00000") is None
+    assert fixed_fallback(-13.3, "01000") == {"policy": "fixed", "schedule": "01000",
+                                              "distilled_minus_best_fixed_points": -13.3}
+    policy = FixedScheduler("01000")
+    assert [policy.decide(StepState(step=k, depth=5, history=[], prompt_len=9, t_tgt_ms=1.0, t_mid_ms=1.0))
+            for k in range(1, 6)] == [0, 1, 0, 0, 0]
+    with pytest.raises(ValueError, match="0/1 actions"):
+        FixedScheduler("01x00")
+
+    cfg, out, *_, distill_info = smoke
+    diff = next(c["points_of_oracle"] for c in distill_info["contrasts"]
+                if c["pair"] == "all pairs" and c["contrast"].endswith("- best fixed"))
+    loaded = load_learned_scheduler("treegraft", out / "pipeline" / "smoke")
+    if diff < 0:
+        assert distill_info["deployed"]["policy"] == "fixed" and isinstance(loaded, FixedScheduler)
+        assert loaded.policy_name == "fixed:" + distill_info["deployed"]["schedule"]
+    else:
+        assert distill_info["deployed"] == {"policy": "distilled"} and isinstance(loaded, LearnedScheduler)
+    meta_path = out / "pipeline" / "smoke" / "distill" / "scheduler.meta.json"
+    meta = json.loads(meta_path.read_text())
+    try:  # the other branch, through the same loader
+        meta_path.write_text(json.dumps({**meta, "fallback": fixed_fallback(-1.0, "10000")}))
+        assert load_learned_scheduler("treegraft", out / "pipeline" / "smoke").actions == [1, 0, 0, 0, 0]
+        meta_path.write_text(json.dumps({**meta, "fallback": None}))
+        assert isinstance(load_learned_scheduler("treegraft", out / "pipeline" / "smoke"), LearnedScheduler)
+    finally:
+        meta_path.write_text(json.dumps(meta))
+
+
 def test_cost_model_recovers_per_call_costs():
     rng = np.random.default_rng(2)
     n = 400

@@ -61,6 +61,11 @@ def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: fl
         if not weights.exists():
             raise MissingArtifactError(f"missing {weights}: run `make collect fit distill` for this experiment first")
         predictor = MarginPredictor.load(weights.with_suffix(""))
+        fallback = predictor.meta.get("fallback")
+        if fallback:  # distill found the distilled scheduler below the best fixed schedule on held-out prompts
+            from ..scheduling.policy import FixedScheduler
+
+            return FixedScheduler(fallback["schedule"])
         return LearnedScheduler(predictor, predictor.meta.get("threshold", 0.0) if threshold is None else threshold)
     if not weights.exists():
         raise MissingArtifactError(f"missing {weights}: run `make collect fit` first")

@@ -22,8 +22,8 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from ..scheduling.features import state_names
-from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor, plan_margins
-from ..scheduling.offline import TURN_KEYS, policy_turns, state_rows, summarize_policies
+from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor, fixed_fallback, plan_margins
+from ..scheduling.offline import TURN_KEYS, policy_turns, state_rows, summarize_policies, turn_throughputs
 from ..scheduling.policy import StepState
 from ..scheduling.signals import SIGNAL_NAMES
 from ..scheduling.value import ValueSystem, fit_value_system, grouped_folds
@@ -131,7 +131,6 @@ def run_distill(cfg: DictConfig) -> dict:
     scales = [float(v) for v in s.get("timing_scales") or []]
     predictor, margins, predicted = distill_predictor(rows, vs, pred_mlp, scales)
     agreement = float(np.mean((margins > 0) == (predicted > 0)))
-    predictor.save(out_dir / "scheduler", {"pairs": fit_pairs(cfg), "threshold": float(s.threshold)})
 
     states = states_of(rows)
     live = step_states(states.sample(frac=1.0, random_state=0), depth, 500)
@@ -189,6 +188,15 @@ def run_distill(cfg: DictConfig) -> dict:
     shares, contrasts = offline_prompt_intervals(
         turn_table, int(p.bootstrap_resamples), seed=0,
         contrasts=[(DISTILLED, "best fixed"), (DISTILLED, PLANNER), (DISTILLED, "all-skip (All-Small)")])
+    # deploy the distilled scheduler only where it beat the best fixed schedule on held-out prompts
+    fallback = None
+    if s.get("fallback_to_fixed", True):
+        rows_vs_fixed = contrasts[contrasts["contrast"].str.endswith("- best fixed")] if not contrasts.empty else contrasts
+        if len(rows_vs_fixed):
+            pooled_row = rows_vs_fixed[rows_vs_fixed["pair"] == "all pairs"]
+            diff = float((pooled_row if len(pooled_row) else rows_vs_fixed)["points_of_oracle"].iloc[0])
+            fallback = fixed_fallback(diff, str(turn_throughputs(rows).mean(axis=0).idxmax()))
+    predictor.save(out_dir / "scheduler", {"pairs": fit_pairs(cfg), "threshold": float(s.threshold), "fallback": fallback})
     table = table.merge(shares.drop(columns="turns"), on=["pair", "policy"], how="left")
     cols = ["pair", "policy", "mean_tau", "pct_of_oracle", "pct_of_oracle_lo", "pct_of_oracle_hi"]
     table = table[cols + [c for c in table.columns if c not in cols]]
@@ -204,6 +212,7 @@ def run_distill(cfg: DictConfig) -> dict:
         "ms_per_decision_direct_planner": ms_planner, "folds": len(folds),
         # differences in points of the oracle's throughput, prompt-resampled 95% CIs
         "contrasts": contrasts.to_dict(orient="records"),
+        "deployed": fallback or {"policy": "distilled"},
     }
     atomic_write_json(info, out_dir / "distill.json")
     record_stage(out_dir, config_yaml, inputs)
@@ -213,6 +222,10 @@ def run_distill(cfg: DictConfig) -> dict:
                   f"agreement {agreement:.1%}; per decision: scheduler {ms_scheduler:.4f} ms, direct planner {ms_planner:.3f} ms")
     if not contrasts.empty:
         print_table(contrasts, "offline differences, points of the oracle (95% CI over prompts)", console)
+    if fallback:
+        console.print(f"[bold]treegraft deploys the fixed schedule {fallback['schedule']}[/]: the distilled scheduler is "
+                      f"{-fallback['distilled_minus_best_fixed_points']:.1f} points of the oracle below the best fixed schedule "
+                      "on held-out prompts (scheduler.fallback_to_fixed)")
     log = stage_logger(cfg, "distill")
     metrics = {k: v for k, v in info.items() if isinstance(v, (int, float))}
     for _, r in shares.iterrows():

@@ -22,7 +22,7 @@ from .features import state_names, state_vector, suffix_vector, signals_among, w
 from .policy import StepState
 from .value import MLPConfig, Standardized, ValueSystem, train_mlp
 
-__all__ = ["plan_margins", "MarginPredictor", "LearnedScheduler", "DirectPlanner"]
+__all__ = ["plan_margins", "MarginPredictor", "LearnedScheduler", "DirectPlanner", "fixed_fallback"]
 
 
 def _suffixes(n: int) -> list[tuple[int, ...]]:
@@ -109,6 +109,8 @@ class MarginPredictor:
 class LearnedScheduler:
     """Online policy: call the middle drafter iff the distilled margin is positive."""
 
+    policy_name = "distilled"
+
     def __init__(self, predictor: MarginPredictor, threshold: float = 0.0):
         self.predictor = predictor
         self.threshold = threshold
@@ -129,3 +131,15 @@ class DirectPlanner:
     def decide(self, state: StepState) -> int:
         x = state_vector(state, self.vs.signals)
         return int(plan_margins(self.vs, x[None, :], np.array([state.step]))[0] > 0)
+
+
+def fixed_fallback(distilled_minus_fixed: float | None, best_fixed: str) -> dict | None:
+    """The deployed policy's fallback (a :class:`~treegraft.scheduling.policy.FixedScheduler` online):
+    ``best_fixed`` where the distilled scheduler's cross-validated
+    share of the oracle is below the best fixed schedule's (``distilled_minus_fixed`` < 0 points, the
+    prompt-resampled point estimate), else None (deploy the distilled scheduler). A learned policy that
+    loses to a constant one on held-out prompts is not deployed."""
+    if distilled_minus_fixed is None or distilled_minus_fixed >= 0:
+        return None
+    return {"policy": "fixed", "schedule": str(best_fixed), "distilled_minus_best_fixed_points": float(distilled_minus_fixed)}
+

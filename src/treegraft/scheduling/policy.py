@@ -47,8 +47,11 @@ class FixedScheduler:
 
     needs_signals = False
 
-    def __init__(self, actions: Sequence[int]):
+    def __init__(self, actions: Sequence[int] | str):
+        if not len(actions) or any(str(a) not in ("0", "1") for a in actions):
+            raise ValueError(f"a fixed schedule is 0/1 actions, one per step; got {actions!r}")
         self.actions = [int(a) for a in actions]
+        self.policy_name = "fixed:" + "".join(map(str, self.actions))
 
     def decide(self, state: StepState) -> int:
         return self.actions[state.step - 1]
