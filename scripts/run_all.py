@@ -19,7 +19,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from treegraft.config import CONF_DIR, check_config_choices
-from treegraft.errors import MissingArtifactError
+from treegraft.pipeline.common import input_errors
 from treegraft.pipeline.run_all import run_all
 
 
@@ -42,7 +42,7 @@ def main(overrides: list[str]) -> int:
         cfgs = {stage: compose(config_name=stage, overrides=overrides) for stage in ("collect", "fit", "distill", "evaluate")}
     try:
         run_all(cfgs)
-    except (MissingArtifactError, ValueError, FileNotFoundError) as err:
+    except input_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -724,3 +724,17 @@ def test_evaluation_sized_by_precision_adds_prompts_and_keeps_earlier_records(sm
     assert all(again[k]["tstamp"] == first[k]["tstamp"] for k in first)  # the first prompt's records were kept
     with pytest.raises(ValueError, match="bad method variant"):
         run_evaluate(compose("evaluate", args + ["evaluation.sensitivity=[t_mid_times2]"]))
+
+
+def test_a_stage_entry_point_reports_a_missing_model_as_one_line(tmp_path, capsys):
+    """`python scripts/evaluate.py ...` with a model that is not converted: one line naming the model and
+    the command that converts it, exit status 2 (not a traceback)."""
+    from treegraft.pipeline.common import run_stage_cli
+
+    cfg = compose("evaluate", ["experiment=cpu", f"paths.output_dir={tmp_path}", f"paths.models_dir={tmp_path / 'none'}",
+                               "evaluation.methods=[ar]"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_stage_cli(run_evaluate, cfg)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith("error: embedded model qwen-coder-1.5b not converted") and "make models" in err

@@ -90,15 +90,23 @@ def fold_intervals(df: pd.DataFrame, floats: str = "{:.2f}") -> pd.DataFrame:
     return pd.DataFrame(out, index=df.index)
 
 
+def input_errors() -> tuple[type[BaseException], ...]:
+    """The errors a bad input raises (missing model or artifact, tokenizer mismatch, unavailable runtime,
+    a llama.cpp load failure, a bad value): the entry points report them as one line, exit status 2."""
+    from ..llama_cpp import LlamaCppError
+    from ..models import ModelLoadError, TokenizerMismatchError
+    from ..models.runtime import RuntimeUnavailable
+
+    return (ModelLoadError, TokenizerMismatchError, RuntimeUnavailable, LlamaCppError, ValueError, FileNotFoundError)
+
+
 def run_stage_cli(run, cfg: DictConfig) -> None:
-    """What every stage entry point does: run the stage; a missing input or a bad value is one line
+    """What every stage entry point does: run the stage; a bad input (:func:`input_errors`) is one line
     on stderr and exit status 2."""
     import sys
 
-    from .artifacts import MissingArtifactError
-
     try:
         run(cfg)
-    except (MissingArtifactError, ValueError) as err:
+    except input_errors() as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

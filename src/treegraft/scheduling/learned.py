@@ -134,12 +134,11 @@ class DirectPlanner:
 
 
 def fixed_fallback(distilled_minus_fixed: float | None, best_fixed: str) -> dict | None:
-    """The deployed policy's fallback (a :class:`~treegraft.scheduling.policy.FixedScheduler` online):
-    ``best_fixed`` where the distilled scheduler's cross-validated
+    """What ``treegraft`` deploys instead of the distilled scheduler: ``best_fixed`` (run online by a
+    :class:`~treegraft.scheduling.policy.FixedScheduler`) where the distilled scheduler's cross-validated
     share of the oracle is below the best fixed schedule's (``distilled_minus_fixed`` < 0 points, the
-    prompt-resampled point estimate), else None (deploy the distilled scheduler). A learned policy that
-    loses to a constant one on held-out prompts is not deployed."""
+    prompt-resampled point estimate), else None. A learned policy that loses to a constant one on
+    held-out prompts is not deployed."""
     if distilled_minus_fixed is None or distilled_minus_fixed >= 0:
         return None
     return {"policy": "fixed", "schedule": str(best_fixed), "distilled_minus_best_fixed_points": float(distilled_minus_fixed)}
-
