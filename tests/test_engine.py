@@ -32,6 +32,7 @@ class ScriptedEngine:
     """A TargetEngine whose 'model' counts upwards modulo VOCAB; its cache is the list of context tokens."""
 
     device = torch.device("cpu")
+    prefill_charge_s = 0.0
 
     def __init__(self):
         self.context: list[int] = []

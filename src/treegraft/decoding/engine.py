@@ -37,6 +37,9 @@ class TargetEngine(Protocol):
     """The target model behind the decoder, with its KV cache of the context."""
 
     device: torch.device
+    # seconds the last prefill adds to its own: an encoding of the prompt shared between decoders (llama.cpp's
+    # PromptReuse) is charged to each in full; 0 where every prefill encodes its prompt
+    prefill_charge_s: float
 
     def context_window(self) -> int | None:
         """Positions the model can attend over (prompt + new tokens), None when unbounded."""
@@ -70,6 +73,7 @@ class DraftModel(Protocol):
     forward_s: float  # seconds inside the model so far
     tokens_encoded: int  # tokens through its forwards so far
     committed: int
+    charged_s: float  # seconds of a shared prompt encoding charged since reset (included in forward_s)
 
     def reset(self, prompt_ids: list[int], encode: bool = False) -> None: ...
 
@@ -97,6 +101,8 @@ class TorchTreeForward:
 class TorchTarget:
     """:class:`TargetEngine` over a stock transformers causal LM (any runtime of
     :mod:`treegraft.models.runtime`) and a ``DynamicCache``."""
+
+    prefill_charge_s = 0.0  # every prefill encodes its prompt
 
     def __init__(self, model: nn.Module, frequent: Callable[[int, int], torch.Tensor]):
         """``frequent(k, vocab_size)``: the ``k`` most frequent token ids (the prefill's restricted vocabulary)."""

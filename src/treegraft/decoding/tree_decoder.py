@@ -326,7 +326,7 @@ class TreeGraftDecoder:
 
     def _middle_charged(self) -> float:
         """Seconds of a shared prompt encoding the middle drafter was charged since its reset (llama.cpp)."""
-        return getattr(self.middle, "charged_s", 0.0) if self.middle is not None else 0.0
+        return self.middle.charged_s if self.middle is not None else 0.0
 
     def _turn(self, root: int, generator, actions: Sequence[int] | None = None) -> tuple[list[int], TurnStats]:
         turn_start = time.perf_counter()
@@ -397,7 +397,7 @@ class TreeGraftDecoder:
         start = time.perf_counter()
         self._prefill(prompt_ids)
         # a prompt encoding shared between decoders (llama.cpp's PromptReuse) counts in full
-        start -= getattr(self.engine, "prefill_charge_s", 0.0) + self._middle_charged()
+        start -= self.engine.prefill_charge_s + self._middle_charged()
         prefill_s = time.perf_counter() - start
         charged = self._middle_charged()
         root = prompt_ids[-1]

@@ -71,6 +71,7 @@ class MiddleDrafter:
         self.calls = 0
         self.tokens_encoded = 0  # tokens through the model's forward (context catch-up and tree nodes)
         self.forward_s = 0.0  # seconds inside the model (forwards and LM-head rows), for the time split
+        self.charged_s = 0.0  # never charged: every reset encodes its own prompt
 
     def reset(self, prompt_ids: list[int], encode: bool = False) -> None:
         """A new context: the prompt except its last token (the first turn's root), encoded now with

@@ -190,12 +190,10 @@ def run_distill(cfg: DictConfig) -> dict:
         contrasts=[(DISTILLED, "best fixed"), (DISTILLED, PLANNER), (DISTILLED, "all-skip (All-Small)")])
     # deploy the distilled scheduler only where it beat the best fixed schedule on held-out prompts
     fallback = None
-    if s.get("fallback_to_fixed", True):
-        rows_vs_fixed = contrasts[contrasts["contrast"].str.endswith("- best fixed")] if not contrasts.empty else contrasts
-        if len(rows_vs_fixed):
-            pooled_row = rows_vs_fixed[rows_vs_fixed["pair"] == "all pairs"]
-            diff = float((pooled_row if len(pooled_row) else rows_vs_fixed)["points_of_oracle"].iloc[0])
-            fallback = fixed_fallback(diff, str(turn_throughputs(rows).mean(axis=0).idxmax()))
+    if s.get("fallback_to_fixed", True) and not contrasts.empty:
+        pooled = contrasts[(contrasts["pair"] == "all pairs") & contrasts["contrast"].str.endswith("- best fixed")]
+        fallback = fixed_fallback(float(pooled["points_of_oracle"].iloc[0]),
+                                  str(turn_throughputs(rows).mean(axis=0).idxmax()))
     predictor.save(out_dir / "scheduler", {"pairs": fit_pairs(cfg), "threshold": float(s.threshold), "fallback": fallback})
     table = table.merge(shares.drop(columns="turns"), on=["pair", "policy"], how="left")
     cols = ["pair", "policy", "mean_tau", "pct_of_oracle", "pct_of_oracle_lo", "pct_of_oracle_hi"]
