@@ -23,7 +23,7 @@ from rich.console import Console
 
 from ..scheduling.features import state_names
 from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor, fixed_fallback, plan_margins
-from ..scheduling.offline import TURN_KEYS, policy_turns, state_rows, summarize_policies, turn_throughputs
+from ..scheduling.offline import TURN_KEYS, best_fixed_schedule, policy_turns, state_rows, summarize_policies
 from ..scheduling.policy import StepState
 from ..scheduling.signals import SIGNAL_NAMES
 from ..scheduling.value import ValueSystem, fit_value_system, grouped_folds
@@ -193,7 +193,7 @@ def run_distill(cfg: DictConfig) -> dict:
     if s.get("fallback_to_fixed", True) and not contrasts.empty:
         pooled = contrasts[(contrasts["pair"] == "all pairs") & contrasts["contrast"].str.endswith("- best fixed")]
         fallback = fixed_fallback(float(pooled["points_of_oracle"].iloc[0]),
-                                  str(turn_throughputs(rows).mean(axis=0).idxmax()))
+                                  best_fixed_schedule(rows))
     predictor.save(out_dir / "scheduler", {"pairs": fit_pairs(cfg), "threshold": float(s.threshold), "fallback": fallback})
     table = table.merge(shares.drop(columns="turns"), on=["pair", "policy"], how="left")
     cols = ["pair", "policy", "mean_tau", "pct_of_oracle", "pct_of_oracle_lo", "pct_of_oracle_hi"]

@@ -22,7 +22,7 @@ import pandas as pd
 
 from .features import state_names
 
-__all__ = ["TURN_KEYS", "turn_outcomes", "turn_throughputs", "state_rows", "follow_policy", "policy_turns",
+__all__ = ["TURN_KEYS", "turn_outcomes", "turn_throughputs", "best_fixed_schedule", "state_rows", "follow_policy", "policy_turns",
            "summarize_policies", "evaluate_policies"]
 
 TURN_KEYS = ["report", "question_id", "turn"]
@@ -42,6 +42,11 @@ def turn_throughputs(rows: pd.DataFrame) -> pd.DataFrame:
     """[turns x schedules] throughput (AL + 1) / latency, indexed by TURN_KEYS."""
     tokens, seconds = turn_outcomes(rows)
     return tokens / seconds
+
+
+def best_fixed_schedule(rows: pd.DataFrame) -> str:
+    """The one schedule with the best mean throughput over the turns of ``rows``."""
+    return str(turn_throughputs(rows).mean(axis=0).idxmax())
 
 
 def state_rows(rows: pd.DataFrame) -> pd.DataFrame:
@@ -81,8 +86,7 @@ def policy_turns(
     turns = tau.index
     values = tau.to_numpy()
     oracle = np.nanmax(values, axis=1)
-    train_tau = turn_throughputs(train_rows if train_rows is not None else rows)
-    best_fixed = str(train_tau.mean(axis=0).idxmax())
+    best_fixed = best_fixed_schedule(train_rows if train_rows is not None else rows)
     chosen: dict[str, list[str]] = {
         "all-skip (All-Small)": ["0" * depth] * len(turns),
         "all-call": ["1" * depth] * len(turns),
