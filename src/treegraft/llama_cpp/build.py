@@ -18,6 +18,10 @@ Why each build choice:
   K-quant matmul) and skips llamafile's sgemm. With it, a token's logits do not depend on how many
   tokens share its batch or where its KV cells sit: a tree verified in one batch gives bit for bit
   the logits of one-token decoding.
+- In that mode the matrix products of the K-quants (Q4_K, Q6_K) are our own (patches/bi_kquants_x86.c):
+  exact integer sums and one fixed float order per output, a one-column kernel and a many-column one
+  (dpbusd, columns in SIMD lanes) that give the same bits, so wide batches cost less than a column at a
+  time. Their float order is not vec_dot's: exact decoding's logits differ from stock's in the last bits.
 """
 
 from __future__ import annotations
@@ -66,9 +70,24 @@ bool ggml_cpu_get_batch_invariant(void) {
 
 GGML = "vendor/llama.cpp/ggml/"
 
-# the column-group loop of a batch-invariant matrix product (inserted into ggml_compute_forward_mul_mat_one_chunk)
+# the batch-invariant matrix products (inserted into ggml_compute_forward_mul_mat_one_chunk): the type's own
+# product where it has one (the K-quants: patches/bi_kquants_x86.c), else its multi-column kernel
 _MULTI_LOOP_C = """
-    // treegraft: batch-invariant mode takes the type's multi-column kernel where there is one (2-D case)
+    // treegraft: batch-invariant mode takes the type's batch-invariant product where there is one (2-D case)
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+    ggml_bi_mul_mat_t const bi_mul_mat = (params->use_ref && num_rows_per_vec_dot == 1 && ne12 == 1 && ne13 == 1)
+        ? ggml_bi_mul_mat_for(type) : NULL;
+    if (bi_mul_mat) {
+        for (int64_t iir1 = ir1_start; iir1 < ir1_end; iir1 += blck_1) {
+            const int64_t end1 = MIN(iir1 + blck_1, ir1_end);
+            bi_mul_mat((int) ne00, (const char *) src0->data + ir0_start * nb01, nb01, (int) (ir0_end - ir0_start),
+                       (const char *) wdata + iir1 * src1_col_stride, src1_col_stride, (int) (end1 - iir1),
+                       (float *) ((char *) dst->data + iir1 * nb1) + ir0_start, nb1);
+        }
+        return;
+    }
+#endif
+    // treegraft: else the type's multi-column kernel where there is one (2-D case)
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
     ggml_vec_dot_multi_t const vec_dot_multi = (params->use_ref && num_rows_per_vec_dot == 1 && ne12 == 1 && ne13 == 1)
         ? ggml_vec_dot_multi_for(type) : NULL;
@@ -95,6 +114,7 @@ _MULTI_LOOP_C = """
 # files appended whole to a file of the source package (path in the package, file beside this module)
 APPENDS: list[tuple[str, str]] = [
     (GGML + "src/ggml-cpu/arch/x86/quants.c", "patches/multicol_x86.c"),
+    (GGML + "src/ggml-cpu/arch/x86/quants.c", "patches/bi_kquants_x86.c"),
 ]
 
 # (file in the source package, anchor text, replacement); each anchor must occur exactly once.
@@ -110,8 +130,10 @@ PATCHES: list[tuple[str, str, str]] = [
      "    // treegraft: batch-invariant mode (reference paths, no llamafile sgemm) for every op from now on\n"
      "    GGML_BACKEND_API void    ggml_cpu_set_batch_invariant(bool on);\n"
      "    GGML_BACKEND_API bool    ggml_cpu_get_batch_invariant(void);\n"
-     "    // treegraft: outputs of the multi-column kernel of `type` whose bits differ from vec_dot's (-1: none)\n"
-     "    GGML_BACKEND_API int     ggml_cpu_treegraft_multicol_check(enum ggml_type type, int n, int rows, int nc, uint32_t seed);\n"),
+     "    // treegraft: outputs of the batch-invariant product of `type` over nc columns whose bits differ from\n"
+     "    // the same product one column at a time (-1: none for this type); *deviation: its distance from vec_dot\n"
+     "    GGML_BACKEND_API int     ggml_cpu_treegraft_multicol_check(enum ggml_type type, int n, int rows, int nc, uint32_t seed,\n"
+     "                                                               float * deviation);\n"),
     (GGML + "src/ggml-cpu/ggml-cpu.c",
      "static bool ggml_cpu_disable_fusion = false;",
      _SWITCH_C + "\nstatic bool ggml_cpu_disable_fusion = false;"),
@@ -124,20 +146,35 @@ PATCHES: list[tuple[str, str, str]] = [
     (GGML + "src/ggml-cpu/ggml-cpu.c",
      "#if GGML_USE_LLAMAFILE\n    if (src1->type != vec_dot_type) {\n",
      "#if GGML_USE_LLAMAFILE\n    if (src1->type != vec_dot_type && !params->use_ref) {\n"),
-    # the multi-column kernels (patches/multicol_x86.c, appended to the x86 quants) and their use: in
-    # batch-invariant mode a plain 2-D matrix product of a type that has one shares each weight row across
-    # up to 4 columns; every output keeps the bits vec_dot gives it alone
+    # the batch-invariant matrix products (patches/bi_kquants_x86.c for Q4_K / Q6_K, patches/multicol_x86.c
+    # for the 32-value block types, both appended to the x86 quants) and their use: in batch-invariant mode
+    # a plain 2-D matrix product of a type that has one gives every output the bits of a batch of one
     (GGML + "src/ggml-cpu/quants.h",
      "// Dot product\n",
      "// treegraft: one weight row against nc <= 16 activation columns (outputs s + c*bs, columns vy + c*by);\n"
      "// each output has the bits the type's vec_dot gives that column alone\n"
      "typedef void (*ggml_vec_dot_multi_t)(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,\n"
      "                                     const void * GGML_RESTRICT vy, size_t by, int nc);\n"
-     "ggml_vec_dot_multi_t ggml_vec_dot_multi_for(enum ggml_type type);\n\n"
+     "ggml_vec_dot_multi_t ggml_vec_dot_multi_for(enum ggml_type type);\n"
+     "// treegraft: the batch-invariant matrix product of a type (rows w + r*w_stride, r < nr, against columns\n"
+     "// vy + c*y_stride, c < nc <= 16, into dst + c*dst_stride + r); every output has the bits of nc = 1\n"
+     "typedef void (*ggml_bi_mul_mat_t)(int n, const char * GGML_RESTRICT w, size_t w_stride, int nr,\n"
+     "                                  const char * GGML_RESTRICT vy, size_t y_stride, int nc,\n"
+     "                                  float * GGML_RESTRICT dst, size_t dst_stride);\n"
+     "ggml_bi_mul_mat_t ggml_bi_mul_mat_for(enum ggml_type type);\n\n"
      "// Dot product\n"),
     (GGML + "src/ggml-cpu/ggml-cpu.c",
      "    float tmp[32];\n",
      "    float tmp[32];\n" + _MULTI_LOOP_C),
+    # the K-quant products interleave a chunk's columns once per chunk: chunks of 64 rows, not 16
+    (GGML + "src/ggml-cpu/ggml-cpu.c",
+     "    if (nr0 == 1 || nr1 == 1) {\n        chunk_size = 64;\n    }\n",
+     "    if (nr0 == 1 || nr1 == 1) {\n        chunk_size = 64;\n    }\n"
+     "#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)\n"
+     "    if (params->use_ref && ne12 == 1 && ne13 == 1 && ggml_bi_mul_mat_for(src0->type) != NULL) {\n"
+     "        chunk_size = 64;  // treegraft: see bi_kquants_x86.c\n"
+     "    }\n"
+     "#endif\n"),
     (GGML + "src/ggml-cpu/ggml-cpu.c",
      "            const char * env = getenv(\"GGML_CPU_DISABLE_FUSION\");\n",
      "            const char * inv = getenv(\"GGML_CPU_BATCH_INVARIANT\");\n"

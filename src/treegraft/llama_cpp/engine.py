@@ -83,23 +83,26 @@ def set_batch_invariant(on: bool) -> None:
     _SWITCH(bool(on))
 
 
-# ggml type ids (ggml.h) of the weight types the multi-column kernels cover
+# ggml type ids (ggml.h) of the weight types with a batch-invariant product
 GGML_TYPES = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
 
-def multicol_check(type_name: str, n: int, rows: int, columns: int, seed: int = 0) -> int | None:
-    """Outputs of the batch-invariant multi-column kernel of ``type_name`` (``rows`` random weight rows of
-    ``n`` values against ``columns`` random activation columns) whose bits differ from the one-column
-    ``vec_dot``'s; None when this CPU has no such kernel (the engine then calls vec_dot per column)."""
+def multicol_check(type_name: str, n: int, rows: int, columns: int, seed: int = 0) -> tuple[int, float] | None:
+    """The batch-invariant matrix product of ``type_name`` on ``rows`` random weight rows of ``n`` values and
+    ``columns`` random activation columns: (outputs whose bits differ from the same product one column at a
+    time, its largest distance from ggml's ``vec_dot`` over the rms of vec_dot's results); None when this
+    CPU has no such product for the type (the engine then calls vec_dot per column)."""
     if type_name not in GGML_TYPES:
         raise ValueError(f"unknown ggml type {type_name!r}; expected one of {', '.join(GGML_TYPES)}")
     check = _ggml_cpu("ggml_cpu_treegraft_multicol_check")
-    check.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint32]
+    check.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_uint32,
+                      ctypes.POINTER(ctypes.c_float)]
     check.restype = ctypes.c_int
-    out = check(GGML_TYPES[type_name], n, rows, columns, seed)
+    deviation = ctypes.c_float(0.0)
+    out = check(GGML_TYPES[type_name], n, rows, columns, seed, ctypes.byref(deviation))
     if out == -2:
         raise LlamaCppError(f"multi-column check on {type_name}: every product was 0 (the CPU backend is not initialised)")
-    return None if out == -1 else out
+    return None if out == -1 else (out, float(deviation.value))
 
 
 @dataclass
