@@ -315,15 +315,18 @@ def main() -> int:
         return record.get("results", {}) if record.get("key") == key and not args.no_resume else {}
 
     start = time.perf_counter()
+    per_prompt = []
     for i in tqdm(range(len(prompts)), desc="prompts (every method)", file=sys.stderr):
         results = saved(i)
         for m in methods:
             if m not in results:
                 results[m] = run_one(m, i, args.max_new_tokens)
         atomic_write_json({"key": key, "results": results}, runs / f"prompt_{i:03d}.json")
+        per_prompt.append(results)
     wall = time.perf_counter() - start
 
-    results = {m: [saved(i)[m] for i in range(len(prompts))] for m in methods}
+    # from memory, not from the files: with --no-resume `saved` ignores them
+    results = {m: [per_prompt[i][m] for i in range(len(prompts))] for m in methods}
     strata = [p[0] for p in prompts]
     weights = bootstrap_weights(strata)
     refs = {"x_llama_exact_ar": ("llama:ar", False), "x_llama_stock_ar": ("llama-stock:ar", False),
