@@ -12,15 +12,16 @@
 //     z[b]    = (float) isum[b] * (d_w * d_a) - (float) msum[b] * (dmin_w * d_a)   (one fmsub, Q4_K)
 //             = (float) isum[b] * (d_w * d_a)                                        (Q6_K)
 //   result = ((0 + z[0]) + z[1]) + ... + z[nb-1], in super-block order.
-// The one-column kernel (tg_*_gemv: every column of a batch below TG_GEMM_MIN_COLS) computes isum/msum with
-// ggml's AVX2 maddubs/madd pattern and sums 8 super-blocks' lanes at once; the many-column kernel
-// (tg_*_gemm) puts 8 columns in the 8 lanes of a register, broadcasts 4 weights at a time and accumulates
-// with dpbusd (the activations biased by +128 to be unsigned, the bias taken off as an exact integer), so
-// each weight super-block is unpacked once for up to 16 columns and its products cost about a third of
-// vec_dot's. Both give every output the same bits: a row's result does not depend on its batch.
+// Three kernels compute it: one column at a time (tg_*_gemv, batches of 1-2 columns; ggml's AVX2
+// maddubs/madd pattern, 8 super-blocks' integer sums reduced at once); 8 columns in the 8 lanes of a
+// register (tg_*_z8, 5-16 columns: activations interleaved once per chunk and biased by +128 to be
+// unsigned, the bias taken off as an exact integer; 4 weights broadcast into dpbusd; each sub-block's scale
+// applied once per 8 columns); and 4 columns x 2 weight rows in the lanes (tg_*_z8p, 3-4 columns). Each
+// weight super-block is unpacked once for all the columns, and rows are streamed in order. All three give
+// every output the same bits: a row's result does not depend on its batch.
 // The result differs from vec_dot's in the last bits (a different float summation order), not in value:
-// ggml_cpu_treegraft_multicol_check checks both kernels against each other bit for bit and against
-// vec_dot to a relative 1e-5 of the row's magnitude.
+// ggml_cpu_treegraft_multicol_check checks every column count against one column bit for bit, and the
+// distance from vec_dot (about 1e-7 of the outputs' rms on random blocks).
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -56,7 +57,6 @@ static inline __m256i tg_dpbusd_bcst(__m256i acc, __m256i u, const tg_i32 * w) {
 #define TG_DPBUSD_BCST(acc, u, w) TG_DPBUSD((acc), (u), _mm256_set1_epi32(*(w)))
 #endif
 
-#define TG_GEMM_MIN_COLS 4   // from this many columns (of a block of up to 16) on, the lanes-are-columns kernel
 
 // lane j of the result = the sum of the 8 lanes of v[j] (exact: integers)
 static inline __m256i tg_hsum8x8(const __m256i * v) {
@@ -87,6 +87,24 @@ static inline void tg_transpose8(__m256i * r) {
     r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
     r[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
     r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
+}
+
+// two weight rows side by side (the small-batch kernel: lanes = 4 columns x these 2 rows): every per-row
+// 32-bit quantity becomes a 64-bit pair (row a low, row b high), broadcast to all four lane pairs
+typedef int64_t __attribute__((may_alias)) tg_i64;
+
+static inline __m256i tg_bq(const void * p) {
+    return _mm256_set1_epi64x(*(const tg_i64 *) p);
+}
+
+// out[0..2n) := (a[0], b[0], a[1], b[1], ...) for n a multiple of 8 int32
+static inline void tg_zip32(int32_t * out, const int32_t * a, const int32_t * b, int n) {
+    for (int t = 0; t < n; t += 8) {
+        const __m256i A = _mm256_loadu_si256((const __m256i *) (a + t)), B = _mm256_loadu_si256((const __m256i *) (b + t));
+        const __m256i lo = _mm256_unpacklo_epi32(A, B), hi = _mm256_unpackhi_epi32(A, B);
+        _mm256_storeu_si256((__m256i *) (out + 2*t), _mm256_permute2x128_si256(lo, hi, 0x20));
+        _mm256_storeu_si256((__m256i *) (out + 2*t + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
 }
 
 // 8 activation columns of one super-block, lanes = columns
@@ -193,6 +211,42 @@ static inline __m256 tg_q4_K_z8(const tg_w_q4_K * u, const tg_act8 * a) {
     }
     const __m256 x1 = _mm256_mul_ps(_mm256_set1_ps(u->d), a->d);
     const __m256 x2 = _mm256_mul_ps(_mm256_set1_ps(u->dmin), a->d);
+    return _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), x1, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), x2));
+}
+
+typedef struct {
+    int32_t w[128];        // the two rows' groups of 4 values, zipped
+    int32_t scale[16], minpair[16], corr[2];
+    float d[2], dmin[2];
+} tg_w2_q4_K;
+
+static inline void tg_pair_q4_K(tg_w2_q4_K * p, const tg_w_q4_K * a, const tg_w_q4_K * b) {
+    tg_zip32(p->w, (const int32_t *) a->w, (const int32_t *) b->w, 64);
+    tg_zip32(p->scale, a->scale, b->scale, 8);
+    tg_zip32(p->minpair, a->minpair, b->minpair, 8);
+    p->corr[0] = a->corr; p->corr[1] = b->corr;
+    p->d[0] = a->d; p->d[1] = b->d;
+    p->dmin[0] = a->dmin; p->dmin[1] = b->dmin;
+}
+
+// z[b] for two rows and 4 columns (lane 2c + k: column c, row k): tg_q4_K_z8's operations lane for lane
+static inline __m256 tg_q4_K_z8p(const tg_w2_q4_K * u, const tg_act8 * a) {
+    __m256i isum = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g += 2) {
+            s0 = TG_DPBUSD(s0, a->qa[8*p + g], tg_bq(u->w + 2*(8*p + g)));
+            s1 = TG_DPBUSD(s1, a->qa[8*p + g + 1], tg_bq(u->w + 2*(8*p + g + 1)));
+        }
+        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), tg_bq(u->scale + 2*p)));
+    }
+    isum = _mm256_sub_epi32(isum, tg_bq(u->corr));
+    __m256i msum = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {
+        msum = TG_DPWSSD(msum, a->bs[p], tg_bq(u->minpair + 2*p));
+    }
+    const __m256 x1 = _mm256_mul_ps(_mm256_castsi256_ps(tg_bq(u->d)), a->d);
+    const __m256 x2 = _mm256_mul_ps(_mm256_castsi256_ps(tg_bq(u->dmin)), a->d);
     return _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), x1, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), x2));
 }
 
@@ -316,6 +370,38 @@ static inline __m256 tg_q6_K_z8(const tg_w_q6_K * u, const tg_act8 * a) {
     return _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(u->d), a->d));
 }
 
+typedef struct {
+    int32_t w[128];
+    int32_t scale[32], scalepair[16], corr[2];
+    float d[2];
+} tg_w2_q6_K;
+
+static inline void tg_pair_q6_K(tg_w2_q6_K * p, const tg_w_q6_K * a, const tg_w_q6_K * b) {
+    tg_zip32(p->w, (const int32_t *) a->w, (const int32_t *) b->w, 64);
+    tg_zip32(p->scale, a->scale, b->scale, 16);
+    tg_zip32(p->scalepair, a->scalepair, b->scalepair, 8);
+    p->corr[0] = a->corr; p->corr[1] = b->corr;
+    p->d[0] = a->d; p->d[1] = b->d;
+}
+
+static inline __m256 tg_q6_K_z8p(const tg_w2_q6_K * u, const tg_act8 * a) {
+    __m256i isum = _mm256_setzero_si256();
+    for (int p = 0; p < 16; ++p) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        s0 = TG_DPBUSD(s0, a->qa[4*p + 0], tg_bq(u->w + 2*(4*p + 0)));
+        s1 = TG_DPBUSD(s1, a->qa[4*p + 1], tg_bq(u->w + 2*(4*p + 1)));
+        s0 = TG_DPBUSD(s0, a->qa[4*p + 2], tg_bq(u->w + 2*(4*p + 2)));
+        s1 = TG_DPBUSD(s1, a->qa[4*p + 3], tg_bq(u->w + 2*(4*p + 3)));
+        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), tg_bq(u->scale + 2*p)));
+    }
+    __m256i msum = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {
+        msum = TG_DPWSSD(msum, a->bs[p], tg_bq(u->scalepair + 2*p));
+    }
+    isum = _mm256_sub_epi32(_mm256_sub_epi32(isum, tg_bq(u->corr)), _mm256_slli_epi32(msum, 5));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_castsi256_ps(tg_bq(u->d)), a->d));
+}
+
 static void tg_q6_K_gemv(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy) {
     const block_q6_K * x = (const block_q6_K *) vx;
     const block_q8_K * y = (const block_q8_K *) vy;
@@ -372,17 +458,48 @@ static tg_act8 * tg_act_scratch(size_t count) {
     return tg_act_buf;
 }
 
-#define TG_GEMM(TYPE, BLOCK, WTYPE, UNPACK, Z8, GEMV)                                                                  \
+#define TG_GEMM(TYPE, BLOCK, WTYPE, UNPACK, Z8, W2TYPE, PAIR, Z8P, GEMV)                                               \
 static void tg_##TYPE##_mul_mat(int n, const char * GGML_RESTRICT w, size_t w_stride, int nr,                          \
                                 const char * GGML_RESTRICT vy, size_t y_stride, int nc,                                \
                                 float * GGML_RESTRICT dst, size_t dst_stride) {                                        \
     const int nb = n / QK_K;                                                                                           \
-    const int ng = (nc + 7) / 8;                                                                                       \
-    tg_act8 * act = nc >= TG_GEMM_MIN_COLS && nc <= 16 ? tg_act_scratch((size_t) nb * ng) : NULL;                     \
-    if (act == NULL) {  /* few columns (or no scratch): the one-column product, column by column */                    \
+    const int pairs = nc >= 3 && nc <= 4;  /* lanes = 4 columns x 2 rows (2 columns: one at a time is cheaper) */   \
+    const int ng = pairs ? 1 : (nc + 7) / 8;                                                                           \
+    tg_act8 * act = nc >= 3 && nc <= 16 ? tg_act_scratch((size_t) nb * ng) : NULL;                                    \
+    if (act == NULL) {  /* 1-2 columns (or no scratch): the one-column product, column by column */                    \
         for (int r = 0; r < nr; ++r) {                                                                                 \
             for (int c = 0; c < nc; ++c) {                                                                             \
                 GEMV(n, (float *) ((char *) dst + c*dst_stride) + r, w + r*w_stride, vy + c*y_stride);                \
+            }                                                                                                          \
+        }                                                                                                              \
+        return;                                                                                                        \
+    }                                                                                                                  \
+    if (pairs) {                                                                                                       \
+        const block_q8_K * cols[8];                                                                                    \
+        for (int c = 0; c < 4; ++c) {  /* each column twice: lanes 2c and 2c + 1; a missing one repeats the last */    \
+            cols[2*c] = cols[2*c + 1] = (const block_q8_K *) (vy + (c < nc ? c : nc - 1) * y_stride);                   \
+        }                                                                                                              \
+        tg_interleave8(act, cols, 8, nb);                                                                              \
+        for (int r = 0; r < nr; r += 2) {                                                                              \
+            const int r1 = r + 1 < nr ? r + 1 : r;  /* an odd last row pairs with itself */                            \
+            const BLOCK * x0 = (const BLOCK *) (w + r*w_stride);                                                       \
+            const BLOCK * x1 = (const BLOCK *) (w + r1*w_stride);                                                      \
+            __m256 acc = _mm256_setzero_ps();                                                                          \
+            for (int i = 0; i < nb; ++i) {                                                                             \
+                WTYPE u0, u1;                                                                                          \
+                W2TYPE u2;                                                                                             \
+                UNPACK(&u0, x0 + i);                                                                                   \
+                UNPACK(&u1, x1 + i);                                                                                   \
+                PAIR(&u2, &u0, &u1);                                                                                   \
+                acc = _mm256_add_ps(acc, Z8P(&u2, act + i));                                                           \
+            }                                                                                                          \
+            float out[8];                                                                                              \
+            _mm256_storeu_ps(out, acc);                                                                                \
+            for (int c = 0; c < nc; ++c) {                                                                             \
+                ((float *) ((char *) dst + c*dst_stride))[r] = out[2*c];                                               \
+                if (r1 != r) {                                                                                         \
+                    ((float *) ((char *) dst + c*dst_stride))[r1] = out[2*c + 1];                                      \
+                }                                                                                                      \
             }                                                                                                          \
         }                                                                                                              \
         return;                                                                                                        \
@@ -416,8 +533,8 @@ static void tg_##TYPE##_mul_mat(int n, const char * GGML_RESTRICT w, size_t w_st
     }                                                                                                                  \
 }
 
-TG_GEMM(q4_K, block_q4_K, tg_w_q4_K, tg_unpack_w_q4_K, tg_q4_K_z8, tg_q4_K_gemv)
-TG_GEMM(q6_K, block_q6_K, tg_w_q6_K, tg_unpack_w_q6_K, tg_q6_K_z8, tg_q6_K_gemv)
+TG_GEMM(q4_K, block_q4_K, tg_w_q4_K, tg_unpack_w_q4_K, tg_q4_K_z8, tg_w2_q4_K, tg_pair_q4_K, tg_q4_K_z8p, tg_q4_K_gemv)
+TG_GEMM(q6_K, block_q6_K, tg_w_q6_K, tg_unpack_w_q6_K, tg_q6_K_z8, tg_w2_q6_K, tg_pair_q6_K, tg_q6_K_z8p, tg_q6_K_gemv)
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
