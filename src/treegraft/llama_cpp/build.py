@@ -73,10 +73,11 @@ GGML = "vendor/llama.cpp/ggml/"
 # the batch-invariant matrix products (inserted into ggml_compute_forward_mul_mat_one_chunk): the type's own
 # product where it has one (the K-quants: patches/bi_kquants_x86.c), else its multi-column kernel
 _MULTI_LOOP_C = """
-    // treegraft: batch-invariant mode takes the type's batch-invariant product where there is one (2-D case)
+    // treegraft: batch-invariant mode takes the type's batch-invariant product where there is one (2-D case),
+    // else its multi-column kernel
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-    ggml_bi_mul_mat_t const bi_mul_mat = (params->use_ref && num_rows_per_vec_dot == 1 && ne12 == 1 && ne13 == 1)
-        ? ggml_bi_mul_mat_for(type) : NULL;
+    const bool tg_plain_2d = params->use_ref && num_rows_per_vec_dot == 1 && ne12 == 1 && ne13 == 1;
+    ggml_bi_mul_mat_t const bi_mul_mat = tg_plain_2d ? ggml_bi_mul_mat_for(type) : NULL;
     if (bi_mul_mat) {
         for (int64_t iir1 = ir1_start; iir1 < ir1_end; iir1 += blck_1) {
             const int64_t end1 = MIN(iir1 + blck_1, ir1_end);
@@ -86,11 +87,7 @@ _MULTI_LOOP_C = """
         }
         return;
     }
-#endif
-    // treegraft: else the type's multi-column kernel where there is one (2-D case)
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-    ggml_vec_dot_multi_t const vec_dot_multi = (params->use_ref && num_rows_per_vec_dot == 1 && ne12 == 1 && ne13 == 1)
-        ? ggml_vec_dot_multi_for(type) : NULL;
+    ggml_vec_dot_multi_t const vec_dot_multi = tg_plain_2d ? ggml_vec_dot_multi_for(type) : NULL;
 #else
     ggml_vec_dot_multi_t const vec_dot_multi = NULL;
 #endif

@@ -69,6 +69,23 @@ static inline __m256i tg_hsum8x8(const __m256i * v) {
     return _mm256_add_epi32(_mm256_permute2x128_si256(b0, b1, 0x20), _mm256_permute2x128_si256(b0, b1, 0x31));
 }
 
+// the sum of the 8 lanes of v (exact: integers)
+static inline int32_t tg_hsum_epi32(__m256i v) {
+    __m128i c = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0x4e));
+    c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0xb1));
+    return _mm_cvtsi128_si32(c);
+}
+
+// *acc + z[0] + ... + z[m-1], one add at a time in lane order: the result's super-block order
+static inline void tg_add_in_order(float * acc, __m256 z, int m) {
+    float zz[8];
+    _mm256_storeu_ps(zz, z);
+    for (int k = 0; k < m; ++k) {
+        *acc += zz[k];
+    }
+}
+
 // r[i] := the i-th dword of each of r[0..7]
 static inline void tg_transpose8(__m256i * r) {
     const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
@@ -149,8 +166,8 @@ typedef struct {
     uint8_t w[256];      // the 4-bit values in position order
     int32_t scale[8];    // sub-block scales
     int32_t minpair[8];  // (min_p, min_p) as two int16: the dpwssd partner of bsums[2p], bsums[2p+1]
-    int32_t corr;        // 128 * sum_p scale_p * sum(w in sub-block p): the +128 activation bias, taken off
-    float d, dmin;
+    int32_t corr[1];     // 128 * sum_p scale_p * sum(w in sub-block p): the +128 activation bias, taken off
+    float d[1], dmin[1];
 } tg_w_q4_K;
 
 static inline void tg_q4_K_scales(const block_q4_K * x, uint32_t * utmp) {
@@ -181,37 +198,12 @@ static inline void tg_unpack_w_q4_K(tg_w_q4_K * u, const block_q4_K * x) {
     }
     // c16 lanes <= 8 * 2 * 15 * 63: no int16 overflow
     const __m256i c32 = _mm256_madd_epi16(c16, _mm256_set1_epi16(1));
-    __m128i c = _mm_add_epi32(_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1));
-    c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0x4e));
-    c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0xb1));
-    u->corr = 128 * _mm_cvtsi128_si32(c);
+    u->corr[0] = 128 * tg_hsum_epi32(c32);
     _mm256_storeu_si256((__m256i *) u->scale, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) sc)));
     const __m256i mn32 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *) (sc + 8)));
     _mm256_storeu_si256((__m256i *) u->minpair, _mm256_or_si256(mn32, _mm256_slli_epi32(mn32, 16)));
-    u->d = GGML_CPU_FP16_TO_FP32(x->d);
-    u->dmin = GGML_CPU_FP16_TO_FP32(x->dmin);
-}
-
-// z[b] for one unpacked weight super-block and 8 interleaved columns
-static inline __m256 tg_q4_K_z8(const tg_w_q4_K * u, const tg_act8 * a) {
-    const tg_i32 * w32 = (const tg_i32 *) u->w;
-    __m256i isum = _mm256_setzero_si256();
-    for (int p = 0; p < 8; ++p) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int g = 0; g < 8; g += 2) {
-            s0 = TG_DPBUSD_BCST(s0, a->qa[8*p + g], &w32[8*p + g]);
-            s1 = TG_DPBUSD_BCST(s1, a->qa[8*p + g + 1], &w32[8*p + g + 1]);
-        }
-        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(u->scale[p])));
-    }
-    isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(u->corr));
-    __m256i msum = _mm256_setzero_si256();
-    for (int p = 0; p < 8; ++p) {
-        msum = TG_DPWSSD(msum, a->bs[p], _mm256_set1_epi32(u->minpair[p]));
-    }
-    const __m256 x1 = _mm256_mul_ps(_mm256_set1_ps(u->d), a->d);
-    const __m256 x2 = _mm256_mul_ps(_mm256_set1_ps(u->dmin), a->d);
-    return _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), x1, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), x2));
+    u->d[0] = GGML_CPU_FP16_TO_FP32(x->d);
+    u->dmin[0] = GGML_CPU_FP16_TO_FP32(x->dmin);
 }
 
 typedef struct {
@@ -224,31 +216,46 @@ static inline void tg_pair_q4_K(tg_w2_q4_K * p, const tg_w_q4_K * a, const tg_w_
     tg_zip32(p->w, (const int32_t *) a->w, (const int32_t *) b->w, 64);
     tg_zip32(p->scale, a->scale, b->scale, 8);
     tg_zip32(p->minpair, a->minpair, b->minpair, 8);
-    p->corr[0] = a->corr; p->corr[1] = b->corr;
-    p->d[0] = a->d; p->d[1] = b->d;
-    p->dmin[0] = a->dmin; p->dmin[1] = b->dmin;
+    p->corr[0] = a->corr[0]; p->corr[1] = b->corr[0];
+    p->d[0] = a->d[0]; p->d[1] = b->d[0];
+    p->dmin[0] = a->dmin[0]; p->dmin[1] = b->dmin[0];
 }
 
-// z[b] for two rows and 4 columns (lane 2c + k: column c, row k): tg_q4_K_z8's operations lane for lane
-static inline __m256 tg_q4_K_z8p(const tg_w2_q4_K * u, const tg_act8 * a) {
-    __m256i isum = _mm256_setzero_si256();
-    for (int p = 0; p < 8; ++p) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        for (int g = 0; g < 8; g += 2) {
-            s0 = TG_DPBUSD(s0, a->qa[8*p + g], tg_bq(u->w + 2*(8*p + g)));
-            s1 = TG_DPBUSD(s1, a->qa[8*p + g + 1], tg_bq(u->w + 2*(8*p + g + 1)));
-        }
-        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), tg_bq(u->scale + 2*p)));
-    }
-    isum = _mm256_sub_epi32(isum, tg_bq(u->corr));
-    __m256i msum = _mm256_setzero_si256();
-    for (int p = 0; p < 8; ++p) {
-        msum = TG_DPWSSD(msum, a->bs[p], tg_bq(u->minpair + 2*p));
-    }
-    const __m256 x1 = _mm256_mul_ps(_mm256_castsi256_ps(tg_bq(u->d)), a->d);
-    const __m256 x2 = _mm256_mul_ps(_mm256_castsi256_ps(tg_bq(u->dmin)), a->d);
-    return _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), x1, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), x2));
+// z[b] for 8 lanes, written once for both lane layouts: the one-row kernel (8 columns; u a tg_w_q4_K) and
+// the two-row kernel (4 columns x 2 rows, lane 2c + k; u a tg_w2_q4_K) differ only in their operands:
+// DOT(acc, activations, u, g) accumulates weight group g, BI(field, p) / BF(field) broadcast the row's
+// (or the row pair's) p-th integer / its float. So both do the same operations lane for lane.
+#define TG_Q4_K_Z(NAME, UTYPE, DOT, BI, BF)                                                                        \
+static inline __m256 NAME(const UTYPE * u, const tg_act8 * a) {                                                    \
+    __m256i isum = _mm256_setzero_si256();                                                                         \
+    for (int p = 0; p < 8; ++p) {                                                                                  \
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                                          \
+        for (int g = 0; g < 8; g += 2) {                                                                           \
+            s0 = DOT(s0, a->qa[8*p + g], u, 8*p + g);                                                              \
+            s1 = DOT(s1, a->qa[8*p + g + 1], u, 8*p + g + 1);                                                      \
+        }                                                                                                          \
+        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), BI(u->scale, p)));             \
+    }                                                                                                              \
+    isum = _mm256_sub_epi32(isum, BI(u->corr, 0));                                                                 \
+    __m256i msum = _mm256_setzero_si256();                                                                         \
+    for (int p = 0; p < 8; ++p) {                                                                                  \
+        msum = TG_DPWSSD(msum, a->bs[p], BI(u->minpair, p));                                                       \
+    }                                                                                                              \
+    const __m256 x1 = _mm256_mul_ps(BF(u->d), a->d);                                                               \
+    const __m256 x2 = _mm256_mul_ps(BF(u->dmin), a->d);                                                            \
+    return _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), x1, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), x2));             \
 }
+
+// the operands: one row (4 weights broadcast from memory into dpbusd, scalars set1) or a row pair (64-bit pairs)
+#define TG_DOT1(acc, av, u, g) TG_DPBUSD_BCST((acc), (av), (const tg_i32 *) (u)->w + (g))
+#define TG_BI1(f, p) _mm256_set1_epi32((f)[p])
+#define TG_BF1(f) _mm256_set1_ps((f)[0])
+#define TG_DOT2(acc, av, u, g) TG_DPBUSD((acc), (av), tg_bq((u)->w + 2*(g)))
+#define TG_BI2(f, p) tg_bq((f) + 2*(p))
+#define TG_BF2(f) _mm256_castsi256_ps(tg_bq(f))
+
+TG_Q4_K_Z(tg_q4_K_z8, tg_w_q4_K, TG_DOT1, TG_BI1, TG_BF1)
+TG_Q4_K_Z(tg_q4_K_z8p, tg_w2_q4_K, TG_DOT2, TG_BI2, TG_BF2)
 
 static void tg_q4_K_gemv(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy) {
     const block_q4_K * x = (const block_q4_K *) vx;
@@ -298,11 +305,7 @@ static void tg_q4_K_gemv(int n, float * GGML_RESTRICT s, const void * GGML_RESTR
         const __m256 x2 = _mm256_mul_ps(_mm256_loadu_ps(dm), dav);
         const __m256 z = _mm256_fmsub_ps(_mm256_cvtepi32_ps(tg_hsum8x8(I)), x1,
                                          _mm256_mul_ps(_mm256_cvtepi32_ps(tg_hsum8x8(M)), x2));
-        float zz[8];
-        _mm256_storeu_ps(zz, z);
-        for (int k = 0; k < m; ++k) {
-            acc += zz[k];
-        }
+        tg_add_in_order(&acc, z, m);
     }
     *s = acc;
 }
@@ -313,8 +316,8 @@ typedef struct {
     uint8_t w[256];       // the 6-bit values (0..63, before the -32 offset) in position order
     int32_t scale[16];    // sub-block (16 values) scales
     int32_t scalepair[8]; // (scale_2p, scale_2p+1) as two int16: the dpwssd partner of bsums[2p], bsums[2p+1]
-    int32_t corr;         // 128 * sum_p scale_p * sum(w in sub-block p)
-    float d;
+    int32_t corr[1];      // 128 * sum_p scale_p * sum(w in sub-block p)
+    float d[1];
 } tg_w_q6_K;
 
 static inline void tg_q6_K_values(const block_q6_K * x, __m256i * q) {
@@ -340,34 +343,12 @@ static inline void tg_unpack_w_q6_K(tg_w_q6_K * u, const block_q6_K * x) {
         const __m256i sc = MM256_SET_M128I(_mm_set1_epi8(x->scales[2*k + 1]), _mm_set1_epi8(x->scales[2*k]));
         c32 = _mm256_add_epi32(c32, _mm256_madd_epi16(_mm256_maddubs_epi16(q[k], sc), _mm256_set1_epi16(1)));
     }
-    __m128i c = _mm_add_epi32(_mm256_castsi256_si128(c32), _mm256_extracti128_si256(c32, 1));
-    c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0x4e));
-    c = _mm_add_epi32(c, _mm_shuffle_epi32(c, 0xb1));
-    u->corr = 128 * _mm_cvtsi128_si32(c);
+    u->corr[0] = 128 * tg_hsum_epi32(c32);
     const __m128i sc8 = _mm_loadu_si128((const __m128i *) x->scales);
     _mm256_storeu_si256((__m256i *) u->scale, _mm256_cvtepi8_epi32(sc8));
     _mm256_storeu_si256((__m256i *) (u->scale + 8), _mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
     _mm256_storeu_si256((__m256i *) u->scalepair, _mm256_cvtepi8_epi16(sc8));  // (scale_2p, scale_2p+1) pairs
-    u->d = GGML_CPU_FP16_TO_FP32(x->d);
-}
-
-static inline __m256 tg_q6_K_z8(const tg_w_q6_K * u, const tg_act8 * a) {
-    const tg_i32 * w32 = (const tg_i32 *) u->w;
-    __m256i isum = _mm256_setzero_si256();
-    for (int p = 0; p < 16; ++p) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        s0 = TG_DPBUSD_BCST(s0, a->qa[4*p + 0], &w32[4*p + 0]);
-        s1 = TG_DPBUSD_BCST(s1, a->qa[4*p + 1], &w32[4*p + 1]);
-        s0 = TG_DPBUSD_BCST(s0, a->qa[4*p + 2], &w32[4*p + 2]);
-        s1 = TG_DPBUSD_BCST(s1, a->qa[4*p + 3], &w32[4*p + 3]);
-        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(u->scale[p])));
-    }
-    __m256i msum = _mm256_setzero_si256();
-    for (int p = 0; p < 8; ++p) {
-        msum = TG_DPWSSD(msum, a->bs[p], _mm256_set1_epi32(u->scalepair[p]));
-    }
-    isum = _mm256_sub_epi32(_mm256_sub_epi32(isum, _mm256_set1_epi32(u->corr)), _mm256_slli_epi32(msum, 5));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_set1_ps(u->d), a->d));
+    u->d[0] = GGML_CPU_FP16_TO_FP32(x->d);
 }
 
 typedef struct {
@@ -380,27 +361,32 @@ static inline void tg_pair_q6_K(tg_w2_q6_K * p, const tg_w_q6_K * a, const tg_w_
     tg_zip32(p->w, (const int32_t *) a->w, (const int32_t *) b->w, 64);
     tg_zip32(p->scale, a->scale, b->scale, 16);
     tg_zip32(p->scalepair, a->scalepair, b->scalepair, 8);
-    p->corr[0] = a->corr; p->corr[1] = b->corr;
-    p->d[0] = a->d; p->d[1] = b->d;
+    p->corr[0] = a->corr[0]; p->corr[1] = b->corr[0];
+    p->d[0] = a->d[0]; p->d[1] = b->d[0];
 }
 
-static inline __m256 tg_q6_K_z8p(const tg_w2_q6_K * u, const tg_act8 * a) {
-    __m256i isum = _mm256_setzero_si256();
-    for (int p = 0; p < 16; ++p) {
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-        s0 = TG_DPBUSD(s0, a->qa[4*p + 0], tg_bq(u->w + 2*(4*p + 0)));
-        s1 = TG_DPBUSD(s1, a->qa[4*p + 1], tg_bq(u->w + 2*(4*p + 1)));
-        s0 = TG_DPBUSD(s0, a->qa[4*p + 2], tg_bq(u->w + 2*(4*p + 2)));
-        s1 = TG_DPBUSD(s1, a->qa[4*p + 3], tg_bq(u->w + 2*(4*p + 3)));
-        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), tg_bq(u->scale + 2*p)));
-    }
-    __m256i msum = _mm256_setzero_si256();
-    for (int p = 0; p < 8; ++p) {
-        msum = TG_DPWSSD(msum, a->bs[p], tg_bq(u->scalepair + 2*p));
-    }
-    isum = _mm256_sub_epi32(_mm256_sub_epi32(isum, tg_bq(u->corr)), _mm256_slli_epi32(msum, 5));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(_mm256_castsi256_ps(tg_bq(u->d)), a->d));
+// as TG_Q4_K_Z: z[b] for 8 lanes, one body for the one-row and the two-row layouts
+#define TG_Q6_K_Z(NAME, UTYPE, DOT, BI, BF)                                                                        \
+static inline __m256 NAME(const UTYPE * u, const tg_act8 * a) {                                                    \
+    __m256i isum = _mm256_setzero_si256();                                                                         \
+    for (int p = 0; p < 16; ++p) {                                                                                 \
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                                          \
+        s0 = DOT(s0, a->qa[4*p + 0], u, 4*p + 0);                                                                  \
+        s1 = DOT(s1, a->qa[4*p + 1], u, 4*p + 1);                                                                  \
+        s0 = DOT(s0, a->qa[4*p + 2], u, 4*p + 2);                                                                  \
+        s1 = DOT(s1, a->qa[4*p + 3], u, 4*p + 3);                                                                  \
+        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), BI(u->scale, p)));             \
+    }                                                                                                              \
+    __m256i msum = _mm256_setzero_si256();                                                                         \
+    for (int p = 0; p < 8; ++p) {                                                                                  \
+        msum = TG_DPWSSD(msum, a->bs[p], BI(u->scalepair, p));                                                     \
+    }                                                                                                              \
+    isum = _mm256_sub_epi32(_mm256_sub_epi32(isum, BI(u->corr, 0)), _mm256_slli_epi32(msum, 5));                   \
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(BF(u->d), a->d));                                 \
 }
+
+TG_Q6_K_Z(tg_q6_K_z8, tg_w_q6_K, TG_DOT1, TG_BI1, TG_BF1)
+TG_Q6_K_Z(tg_q6_K_z8p, tg_w2_q6_K, TG_DOT2, TG_BI2, TG_BF2)
 
 static void tg_q6_K_gemv(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy) {
     const block_q6_K * x = (const block_q6_K *) vx;
@@ -434,11 +420,7 @@ static void tg_q6_K_gemv(int n, float * GGML_RESTRICT s, const void * GGML_RESTR
             da[k] = yb->d;
         }
         const __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(tg_hsum8x8(I)), _mm256_mul_ps(_mm256_loadu_ps(dw), _mm256_loadu_ps(da)));
-        float zz[8];
-        _mm256_storeu_ps(zz, z);
-        for (int k = 0; k < m; ++k) {
-            acc += zz[k];
-        }
+        tg_add_in_order(&acc, z, m);
     }
     *s = acc;
 }
