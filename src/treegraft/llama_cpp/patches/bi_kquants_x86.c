@@ -12,13 +12,13 @@
 //     z[b]    = (float) isum[b] * (d_w * d_a) - (float) msum[b] * (dmin_w * d_a)   (one fmsub, Q4_K)
 //             = (float) isum[b] * (d_w * d_a)                                        (Q6_K)
 //   result = ((0 + z[0]) + z[1]) + ... + z[nb-1], in super-block order.
-// Three kernels compute it: one column at a time (tg_*_gemv, batches of 1-2 columns; ggml's AVX2
-// maddubs/madd pattern, 8 super-blocks' integer sums reduced at once); 8 columns in the 8 lanes of a
-// register (tg_*_z8, 5-16 columns: activations interleaved once per chunk and biased by +128 to be
-// unsigned, the bias taken off as an exact integer; 4 weights broadcast into dpbusd; each sub-block's scale
-// applied once per 8 columns); and 4 columns x 2 weight rows in the lanes (tg_*_z8p, 3-4 columns). Each
-// weight super-block is unpacked once for all the columns, and rows are streamed in order. All three give
-// every output the same bits: a row's result does not depend on its batch.
+// Two kernels compute it. Up to 5 columns, tg_*_gemvn: each super-block's weights unpacked once and
+// multiplied into every column (ggml's AVX2 maddubs/madd pattern, 8 super-blocks' integer sums reduced at
+// once). From 6 columns, tg_*_z8: 8 columns in the 8 lanes of a register (activations interleaved once per
+// chunk and biased by +128 to be unsigned, the bias taken off as an exact integer; 4 weights broadcast into
+// dpbusd; each sub-block's scale applied once per 8 columns). Rows are streamed in order, with software
+// prefetch TG_PREFETCH_AHEAD bytes ahead. Both kernels give every output the same bits: a row's result does
+// not depend on its batch.
 // The result differs from vec_dot's in the last bits (a different float summation order), not in value:
 // ggml_cpu_treegraft_multicol_check checks every column count against one column bit for bit, and the
 // distance from vec_dot (about 1e-7 of the outputs' rms on random blocks).
@@ -35,6 +35,19 @@
 #endif
 
 typedef int32_t __attribute__((may_alias)) tg_i32;  // 4 unpacked weight bytes, read as one broadcast
+
+// the hardware prefetcher alone leaves a row stream waiting on memory: fetch the weights 4 KiB ahead. On the
+// Xeon model 207 a one-column Q4_K product streaming from memory took 22 ns a super-block without it, 13
+// with it (9.5 from cache; 2-8 KiB ahead within noise, 0.5 KiB half the gain). 4 lines cover a Q4_K
+// (144 B) or Q6_K (210 B) super-block wherever it starts; past the matrix's end a prefetch is a no-op.
+#define TG_PREFETCH_AHEAD 4096
+// the most columns tg_*_gemvn takes at once; from 6 columns the 8-lane kernel was measured cheaper per column
+#define TG_GEMVN_MAX 5
+#define TG_PREFETCH(p) do {                                                                  \
+    const char * tg_pf_ = (const char *) (p) + TG_PREFETCH_AHEAD;                            \
+    _mm_prefetch(tg_pf_, _MM_HINT_T0);       _mm_prefetch(tg_pf_ + 64, _MM_HINT_T0);          \
+    _mm_prefetch(tg_pf_ + 128, _MM_HINT_T0); _mm_prefetch(tg_pf_ + 192, _MM_HINT_T0);         \
+} while (0)
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define TG_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
@@ -104,24 +117,6 @@ static inline void tg_transpose8(__m256i * r) {
     r[5] = _mm256_permute2x128_si256(u1, u5, 0x31);
     r[6] = _mm256_permute2x128_si256(u2, u6, 0x31);
     r[7] = _mm256_permute2x128_si256(u3, u7, 0x31);
-}
-
-// two weight rows side by side (the small-batch kernel: lanes = 4 columns x these 2 rows): every per-row
-// 32-bit quantity becomes a 64-bit pair (row a low, row b high), broadcast to all four lane pairs
-typedef int64_t __attribute__((may_alias)) tg_i64;
-
-static inline __m256i tg_bq(const void * p) {
-    return _mm256_set1_epi64x(*(const tg_i64 *) p);
-}
-
-// out[0..2n) := (a[0], b[0], a[1], b[1], ...) for n a multiple of 8 int32
-static inline void tg_zip32(int32_t * out, const int32_t * a, const int32_t * b, int n) {
-    for (int t = 0; t < n; t += 8) {
-        const __m256i A = _mm256_loadu_si256((const __m256i *) (a + t)), B = _mm256_loadu_si256((const __m256i *) (b + t));
-        const __m256i lo = _mm256_unpacklo_epi32(A, B), hi = _mm256_unpackhi_epi32(A, B);
-        _mm256_storeu_si256((__m256i *) (out + 2*t), _mm256_permute2x128_si256(lo, hi, 0x20));
-        _mm256_storeu_si256((__m256i *) (out + 2*t + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
-    }
 }
 
 // 8 activation columns of one super-block, lanes = columns
@@ -206,75 +201,52 @@ static inline void tg_unpack_w_q4_K(tg_w_q4_K * u, const block_q4_K * x) {
     u->dmin[0] = GGML_CPU_FP16_TO_FP32(x->dmin);
 }
 
-typedef struct {
-    int32_t w[128];        // the two rows' groups of 4 values, zipped
-    int32_t scale[16], minpair[16], corr[2];
-    float d[2], dmin[2];
-} tg_w2_q4_K;
+// the 4 weights of group g broadcast from memory into dpbusd; a row's p-th integer / its float broadcast
+#define TG_DOT(acc, av, u, g) TG_DPBUSD_BCST((acc), (av), (const tg_i32 *) (u)->w + (g))
+#define TG_BI(f, p) _mm256_set1_epi32((f)[p])
+#define TG_BF(f) _mm256_set1_ps((f)[0])
 
-static inline void tg_pair_q4_K(tg_w2_q4_K * p, const tg_w_q4_K * a, const tg_w_q4_K * b) {
-    tg_zip32(p->w, (const int32_t *) a->w, (const int32_t *) b->w, 64);
-    tg_zip32(p->scale, a->scale, b->scale, 8);
-    tg_zip32(p->minpair, a->minpair, b->minpair, 8);
-    p->corr[0] = a->corr[0]; p->corr[1] = b->corr[0];
-    p->d[0] = a->d[0]; p->d[1] = b->d[0];
-    p->dmin[0] = a->dmin[0]; p->dmin[1] = b->dmin[0];
+// z[b] of one weight row for 8 columns (lane c = column c)
+static inline __m256 tg_q4_K_z8(const tg_w_q4_K * u, const tg_act8 * a) {
+    __m256i isum = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int g = 0; g < 8; g += 2) {
+            s0 = TG_DOT(s0, a->qa[8*p + g], u, 8*p + g);
+            s1 = TG_DOT(s1, a->qa[8*p + g + 1], u, 8*p + g + 1);
+        }
+        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), TG_BI(u->scale, p)));
+    }
+    isum = _mm256_sub_epi32(isum, TG_BI(u->corr, 0));
+    __m256i msum = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {
+        msum = TG_DPWSSD(msum, a->bs[p], TG_BI(u->minpair, p));
+    }
+    const __m256 x1 = _mm256_mul_ps(TG_BF(u->d), a->d);
+    const __m256 x2 = _mm256_mul_ps(TG_BF(u->dmin), a->d);
+    return _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), x1, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), x2));
 }
 
-// z[b] for 8 lanes, written once for both lane layouts: the one-row kernel (8 columns; u a tg_w_q4_K) and
-// the two-row kernel (4 columns x 2 rows, lane 2c + k; u a tg_w2_q4_K) differ only in their operands:
-// DOT(acc, activations, u, g) accumulates weight group g, BI(field, p) / BF(field) broadcast the row's
-// (or the row pair's) p-th integer / its float. So both do the same operations lane for lane.
-#define TG_Q4_K_Z(NAME, UTYPE, DOT, BI, BF)                                                                        \
-static inline __m256 NAME(const UTYPE * u, const tg_act8 * a) {                                                    \
-    __m256i isum = _mm256_setzero_si256();                                                                         \
-    for (int p = 0; p < 8; ++p) {                                                                                  \
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                                          \
-        for (int g = 0; g < 8; g += 2) {                                                                           \
-            s0 = DOT(s0, a->qa[8*p + g], u, 8*p + g);                                                              \
-            s1 = DOT(s1, a->qa[8*p + g + 1], u, 8*p + g + 1);                                                      \
-        }                                                                                                          \
-        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), BI(u->scale, p)));             \
-    }                                                                                                              \
-    isum = _mm256_sub_epi32(isum, BI(u->corr, 0));                                                                 \
-    __m256i msum = _mm256_setzero_si256();                                                                         \
-    for (int p = 0; p < 8; ++p) {                                                                                  \
-        msum = TG_DPWSSD(msum, a->bs[p], BI(u->minpair, p));                                                       \
-    }                                                                                                              \
-    const __m256 x1 = _mm256_mul_ps(BF(u->d), a->d);                                                               \
-    const __m256 x2 = _mm256_mul_ps(BF(u->dmin), a->d);                                                            \
-    return _mm256_fmsub_ps(_mm256_cvtepi32_ps(isum), x1, _mm256_mul_ps(_mm256_cvtepi32_ps(msum), x2));             \
-}
-
-// the operands: one row (4 weights broadcast from memory into dpbusd, scalars set1) or a row pair (64-bit pairs)
-#define TG_DOT1(acc, av, u, g) TG_DPBUSD_BCST((acc), (av), (const tg_i32 *) (u)->w + (g))
-#define TG_BI1(f, p) _mm256_set1_epi32((f)[p])
-#define TG_BF1(f) _mm256_set1_ps((f)[0])
-#define TG_DOT2(acc, av, u, g) TG_DPBUSD((acc), (av), tg_bq((u)->w + 2*(g)))
-#define TG_BI2(f, p) tg_bq((f) + 2*(p))
-#define TG_BF2(f) _mm256_castsi256_ps(tg_bq(f))
-
-TG_Q4_K_Z(tg_q4_K_z8, tg_w_q4_K, TG_DOT1, TG_BI1, TG_BF1)
-TG_Q4_K_Z(tg_q4_K_z8p, tg_w2_q4_K, TG_DOT2, TG_BI2, TG_BF2)
-
-static void tg_q4_K_gemv(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy) {
+// the one-column product for NC columns at once (NC a constant at every call): each super-block's weights
+// unpacked once, each column's integer sums and float expression exactly those of the one-column product
+static inline __attribute__((always_inline)) void tg_q4_K_gemvn(int n, float * GGML_RESTRICT s, size_t s_stride,
+        const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy, size_t y_stride, const int NC) {
     const block_q4_K * x = (const block_q4_K *) vx;
-    const block_q8_K * y = (const block_q8_K *) vy;
     const int nb = n / QK_K;
     const __m256i m4 = _mm256_set1_epi8(0xF);
-    float acc = 0.0f;
+    float acc[TG_GEMVN_MAX] = {0.0f};
     for (int i0 = 0; i0 < nb; i0 += 8) {
         const int m = nb - i0 < 8 ? nb - i0 : 8;
-        __m256i I[8], M[8];
-        float dw[8], dm[8], da[8];
+        __m256i I[TG_GEMVN_MAX][8], M[TG_GEMVN_MAX][8];
+        float dw[8], dm[8], da[TG_GEMVN_MAX][8];
         for (int k = 0; k < 8; ++k) {
             if (k >= m) {
-                I[k] = M[k] = _mm256_setzero_si256();
-                dw[k] = dm[k] = da[k] = 0.0f;
+                for (int c = 0; c < NC; ++c) { I[c][k] = M[c][k] = _mm256_setzero_si256(); da[c][k] = 0.0f; }
+                dw[k] = dm[k] = 0.0f;
                 continue;
             }
             const block_q4_K * xb = x + i0 + k;
-            const block_q8_K * yb = y + i0 + k;
+            TG_PREFETCH(xb);
             uint32_t utmp[4];
             tg_q4_K_scales(xb, utmp);
             const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(utmp[3], utmp[2], utmp[1], utmp[0]));
@@ -284,30 +256,41 @@ static void tg_q4_K_gemv(int n, float * GGML_RESTRICT s, const void * GGML_RESTR
             // (min_p, min_p) for bsums[2p], bsums[2p+1]
             const __m256i mins2 = _mm256_cvtepu16_epi32(mn128);
             const __m256i minpair = _mm256_or_si256(mins2, _mm256_slli_epi32(mins2, 16));
-            __m256i sumi = _mm256_setzero_si256();
+            __m256i sumi[TG_GEMVN_MAX];
+            for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
             for (int j = 0; j < 4; ++j) {
                 const __m256i bits = _mm256_loadu_si256((const __m256i *) (xb->qs + 32*j));
                 const __m256i lo = _mm256_and_si256(bits, m4);
                 const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bits, 4), m4);
-                const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) (yb->qs + 64*j)));
-                const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (yb->qs + 64*j + 32)));
-                sumi = TG_DPWSSD(sumi, pl, _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2*j + 0)));
-                sumi = TG_DPWSSD(sumi, ph, _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2*j + 1)));
+                const __m256i sl = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2*j + 0));
+                const __m256i sh = _mm256_shuffle_epi8(scales, get_scale_shuffle_k4(2*j + 1));
+                for (int c = 0; c < NC; ++c) {
+                    const block_q8_K * yb = (const block_q8_K *) ((const char *) vy + c*y_stride) + i0 + k;
+                    const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *) (yb->qs + 64*j)));
+                    const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *) (yb->qs + 64*j + 32)));
+                    sumi[c] = TG_DPWSSD(sumi[c], pl, sl);
+                    sumi[c] = TG_DPWSSD(sumi[c], ph, sh);
+                }
             }
-            I[k] = sumi;
-            M[k] = TG_DPWSSD(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *) yb->bsums), minpair);
+            for (int c = 0; c < NC; ++c) {
+                const block_q8_K * yb = (const block_q8_K *) ((const char *) vy + c*y_stride) + i0 + k;
+                I[c][k] = sumi[c];
+                M[c][k] = TG_DPWSSD(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *) yb->bsums), minpair);
+                da[c][k] = yb->d;
+            }
             dw[k] = GGML_CPU_FP16_TO_FP32(xb->d);
             dm[k] = GGML_CPU_FP16_TO_FP32(xb->dmin);
-            da[k] = yb->d;
         }
-        const __m256 dav = _mm256_loadu_ps(da);
-        const __m256 x1 = _mm256_mul_ps(_mm256_loadu_ps(dw), dav);
-        const __m256 x2 = _mm256_mul_ps(_mm256_loadu_ps(dm), dav);
-        const __m256 z = _mm256_fmsub_ps(_mm256_cvtepi32_ps(tg_hsum8x8(I)), x1,
-                                         _mm256_mul_ps(_mm256_cvtepi32_ps(tg_hsum8x8(M)), x2));
-        tg_add_in_order(&acc, z, m);
+        for (int c = 0; c < NC; ++c) {
+            const __m256 dav = _mm256_loadu_ps(da[c]);
+            const __m256 x1 = _mm256_mul_ps(_mm256_loadu_ps(dw), dav);
+            const __m256 x2 = _mm256_mul_ps(_mm256_loadu_ps(dm), dav);
+            const __m256 z = _mm256_fmsub_ps(_mm256_cvtepi32_ps(tg_hsum8x8(I[c])), x1,
+                                             _mm256_mul_ps(_mm256_cvtepi32_ps(tg_hsum8x8(M[c])), x2));
+            tg_add_in_order(&acc[c], z, m);
+        }
     }
-    *s = acc;
+    for (int c = 0; c < NC; ++c) *(float *) ((char *) s + c*s_stride) = acc[c];
 }
 
 // ---------------------------------------------------------------- Q6_K
@@ -351,78 +334,72 @@ static inline void tg_unpack_w_q6_K(tg_w_q6_K * u, const block_q6_K * x) {
     u->d[0] = GGML_CPU_FP16_TO_FP32(x->d);
 }
 
-typedef struct {
-    int32_t w[128];
-    int32_t scale[32], scalepair[16], corr[2];
-    float d[2];
-} tg_w2_q6_K;
-
-static inline void tg_pair_q6_K(tg_w2_q6_K * p, const tg_w_q6_K * a, const tg_w_q6_K * b) {
-    tg_zip32(p->w, (const int32_t *) a->w, (const int32_t *) b->w, 64);
-    tg_zip32(p->scale, a->scale, b->scale, 16);
-    tg_zip32(p->scalepair, a->scalepair, b->scalepair, 8);
-    p->corr[0] = a->corr[0]; p->corr[1] = b->corr[0];
-    p->d[0] = a->d[0]; p->d[1] = b->d[0];
+// as tg_q4_K_z8
+static inline __m256 tg_q6_K_z8(const tg_w_q6_K * u, const tg_act8 * a) {
+    __m256i isum = _mm256_setzero_si256();
+    for (int p = 0; p < 16; ++p) {
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        s0 = TG_DOT(s0, a->qa[4*p + 0], u, 4*p + 0);
+        s1 = TG_DOT(s1, a->qa[4*p + 1], u, 4*p + 1);
+        s0 = TG_DOT(s0, a->qa[4*p + 2], u, 4*p + 2);
+        s1 = TG_DOT(s1, a->qa[4*p + 3], u, 4*p + 3);
+        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), TG_BI(u->scale, p)));
+    }
+    __m256i msum = _mm256_setzero_si256();
+    for (int p = 0; p < 8; ++p) {
+        msum = TG_DPWSSD(msum, a->bs[p], TG_BI(u->scalepair, p));
+    }
+    isum = _mm256_sub_epi32(_mm256_sub_epi32(isum, TG_BI(u->corr, 0)), _mm256_slli_epi32(msum, 5));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(TG_BF(u->d), a->d));                                 \
 }
 
-// as TG_Q4_K_Z: z[b] for 8 lanes, one body for the one-row and the two-row layouts
-#define TG_Q6_K_Z(NAME, UTYPE, DOT, BI, BF)                                                                        \
-static inline __m256 NAME(const UTYPE * u, const tg_act8 * a) {                                                    \
-    __m256i isum = _mm256_setzero_si256();                                                                         \
-    for (int p = 0; p < 16; ++p) {                                                                                 \
-        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();                                          \
-        s0 = DOT(s0, a->qa[4*p + 0], u, 4*p + 0);                                                                  \
-        s1 = DOT(s1, a->qa[4*p + 1], u, 4*p + 1);                                                                  \
-        s0 = DOT(s0, a->qa[4*p + 2], u, 4*p + 2);                                                                  \
-        s1 = DOT(s1, a->qa[4*p + 3], u, 4*p + 3);                                                                  \
-        isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), BI(u->scale, p)));             \
-    }                                                                                                              \
-    __m256i msum = _mm256_setzero_si256();                                                                         \
-    for (int p = 0; p < 8; ++p) {                                                                                  \
-        msum = TG_DPWSSD(msum, a->bs[p], BI(u->scalepair, p));                                                     \
-    }                                                                                                              \
-    isum = _mm256_sub_epi32(_mm256_sub_epi32(isum, BI(u->corr, 0)), _mm256_slli_epi32(msum, 5));                   \
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(BF(u->d), a->d));                                 \
-}
 
-TG_Q6_K_Z(tg_q6_K_z8, tg_w_q6_K, TG_DOT1, TG_BI1, TG_BF1)
-TG_Q6_K_Z(tg_q6_K_z8p, tg_w2_q6_K, TG_DOT2, TG_BI2, TG_BF2)
-
-static void tg_q6_K_gemv(int n, float * GGML_RESTRICT s, const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy) {
+// as tg_q4_K_gemvn
+static inline __attribute__((always_inline)) void tg_q6_K_gemvn(int n, float * GGML_RESTRICT s, size_t s_stride,
+        const void * GGML_RESTRICT vx, const void * GGML_RESTRICT vy, size_t y_stride, const int NC) {
     const block_q6_K * x = (const block_q6_K *) vx;
-    const block_q8_K * y = (const block_q8_K *) vy;
     const int nb = n / QK_K;
-    float acc = 0.0f;
+    float acc[TG_GEMVN_MAX] = {0.0f};
     for (int i0 = 0; i0 < nb; i0 += 8) {
         const int m = nb - i0 < 8 ? nb - i0 : 8;
-        __m256i I[8];
-        float dw[8], da[8];
+        __m256i I[TG_GEMVN_MAX][8];
+        float dw[8], da[TG_GEMVN_MAX][8];
         for (int k = 0; k < 8; ++k) {
             if (k >= m) {
-                I[k] = _mm256_setzero_si256();
-                dw[k] = da[k] = 0.0f;
+                for (int c = 0; c < NC; ++c) { I[c][k] = _mm256_setzero_si256(); da[c][k] = 0.0f; }
+                dw[k] = 0.0f;
                 continue;
             }
             const block_q6_K * xb = x + i0 + k;
-            const block_q8_K * yb = y + i0 + k;
+            TG_PREFETCH(xb);
             __m256i q[8];
             tg_q6_K_values(xb, q);
             const __m128i scales = _mm_loadu_si128((const __m128i *) xb->scales);
-            __m256i sumi = _mm256_setzero_si256();
+            __m256i sumi[TG_GEMVN_MAX];
+            for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
             for (int j = 0; j < 8; ++j) {
-                const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *) (yb->qs + 32*j)));
-                sumi = TG_DPWSSD(sumi, p, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(j))));
+                const __m256i sj = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(scales, get_scale_shuffle(j)));
+                for (int c = 0; c < NC; ++c) {
+                    const block_q8_K * yb = (const block_q8_K *) ((const char *) vy + c*y_stride) + i0 + k;
+                    const __m256i p = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *) (yb->qs + 32*j)));
+                    sumi[c] = TG_DPWSSD(sumi[c], p, sj);
+                }
             }
-            const __m256i msum = TG_DPWSSD(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *) yb->bsums),
-                                           _mm256_cvtepi8_epi16(scales));
-            I[k] = _mm256_sub_epi32(sumi, _mm256_slli_epi32(msum, 5));
+            const __m256i sc16 = _mm256_cvtepi8_epi16(scales);
+            for (int c = 0; c < NC; ++c) {
+                const block_q8_K * yb = (const block_q8_K *) ((const char *) vy + c*y_stride) + i0 + k;
+                const __m256i msum = TG_DPWSSD(_mm256_setzero_si256(), _mm256_loadu_si256((const __m256i *) yb->bsums), sc16);
+                I[c][k] = _mm256_sub_epi32(sumi[c], _mm256_slli_epi32(msum, 5));
+                da[c][k] = yb->d;
+            }
             dw[k] = GGML_CPU_FP16_TO_FP32(xb->d);
-            da[k] = yb->d;
         }
-        const __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(tg_hsum8x8(I)), _mm256_mul_ps(_mm256_loadu_ps(dw), _mm256_loadu_ps(da)));
-        tg_add_in_order(&acc, z, m);
+        for (int c = 0; c < NC; ++c) {
+            const __m256 z = _mm256_mul_ps(_mm256_cvtepi32_ps(tg_hsum8x8(I[c])), _mm256_mul_ps(_mm256_loadu_ps(dw), _mm256_loadu_ps(da[c])));
+            tg_add_in_order(&acc[c], z, m);
+        }
     }
-    *s = acc;
+    for (int c = 0; c < NC; ++c) *(float *) ((char *) s + c*s_stride) = acc[c];
 }
 
 // ---------------------------------------------------------------- the matrix product
@@ -440,52 +417,31 @@ static tg_act8 * tg_act_scratch(size_t count) {
     return tg_act_buf;
 }
 
-#define TG_GEMM(TYPE, BLOCK, WTYPE, UNPACK, Z8, W2TYPE, PAIR, Z8P, GEMV)                                               \
+// rows [0, nr) of K columns (K a constant: the compiler unrolls each count's column loops)
+#define TG_GEMVN_ROWS(TYPE, K) \
+    for (int r = 0; r < nr; ++r) tg_##TYPE##_gemvn(n, d + r, dst_stride, w + r*w_stride, y, y_stride, K)
+
+#define TG_GEMM(TYPE, BLOCK, WTYPE, UNPACK, Z8)                                                                        \
 static void tg_##TYPE##_mul_mat(int n, const char * GGML_RESTRICT w, size_t w_stride, int nr,                          \
                                 const char * GGML_RESTRICT vy, size_t y_stride, int nc,                                \
                                 float * GGML_RESTRICT dst, size_t dst_stride) {                                        \
     const int nb = n / QK_K;                                                                                           \
-    const int pairs = nc >= 3 && nc <= 4;  /* lanes = 4 columns x 2 rows (2 columns: one at a time is cheaper) */   \
-    const int ng = pairs ? 1 : (nc + 7) / 8;                                                                           \
-    tg_act8 * act = nc >= 3 && nc <= 16 ? tg_act_scratch((size_t) nb * ng) : NULL;                                    \
-    if (act == NULL) {  /* 1-2 columns (or no scratch): the one-column product, column by column */                    \
-        for (int r = 0; r < nr; ++r) {                                                                                 \
-            for (int c = 0; c < nc; ++c) {                                                                             \
-                GEMV(n, (float *) ((char *) dst + c*dst_stride) + r, w + r*w_stride, vy + c*y_stride);                \
+    tg_act8 * act = nc > TG_GEMVN_MAX && nc <= 16 ? tg_act_scratch((size_t) nb * ((nc + 7) / 8)) : NULL;             \
+    if (act == NULL) {  /* 1-5 columns (or no scratch): a row at a time, 5 columns at most per pass */             \
+        for (int c0 = 0; c0 < nc; c0 += TG_GEMVN_MAX) {                                                                \
+            float * d = (float *) ((char *) dst + c0*dst_stride);                                                      \
+            const char * y = vy + c0*y_stride;                                                                         \
+            switch (nc - c0 < TG_GEMVN_MAX ? nc - c0 : TG_GEMVN_MAX) {                                                 \
+                case 1: TG_GEMVN_ROWS(TYPE, 1); break;                                                                 \
+                case 2: TG_GEMVN_ROWS(TYPE, 2); break;                                                                 \
+                case 3: TG_GEMVN_ROWS(TYPE, 3); break;                                                                 \
+                case 4: TG_GEMVN_ROWS(TYPE, 4); break;                                                                 \
+                default: TG_GEMVN_ROWS(TYPE, 5); break;                                                                \
             }                                                                                                          \
         }                                                                                                              \
         return;                                                                                                        \
     }                                                                                                                  \
-    if (pairs) {                                                                                                       \
-        const block_q8_K * cols[8];                                                                                    \
-        for (int c = 0; c < 4; ++c) {  /* each column twice: lanes 2c and 2c + 1; a missing one repeats the last */    \
-            cols[2*c] = cols[2*c + 1] = (const block_q8_K *) (vy + (c < nc ? c : nc - 1) * y_stride);                   \
-        }                                                                                                              \
-        tg_interleave8(act, cols, 8, nb);                                                                              \
-        for (int r = 0; r < nr; r += 2) {                                                                              \
-            const int r1 = r + 1 < nr ? r + 1 : r;  /* an odd last row pairs with itself */                            \
-            const BLOCK * x0 = (const BLOCK *) (w + r*w_stride);                                                       \
-            const BLOCK * x1 = (const BLOCK *) (w + r1*w_stride);                                                      \
-            __m256 acc = _mm256_setzero_ps();                                                                          \
-            for (int i = 0; i < nb; ++i) {                                                                             \
-                WTYPE u0, u1;                                                                                          \
-                W2TYPE u2;                                                                                             \
-                UNPACK(&u0, x0 + i);                                                                                   \
-                UNPACK(&u1, x1 + i);                                                                                   \
-                PAIR(&u2, &u0, &u1);                                                                                   \
-                acc = _mm256_add_ps(acc, Z8P(&u2, act + i));                                                           \
-            }                                                                                                          \
-            float out[8];                                                                                              \
-            _mm256_storeu_ps(out, acc);                                                                                \
-            for (int c = 0; c < nc; ++c) {                                                                             \
-                ((float *) ((char *) dst + c*dst_stride))[r] = out[2*c];                                               \
-                if (r1 != r) {                                                                                         \
-                    ((float *) ((char *) dst + c*dst_stride))[r1] = out[2*c + 1];                                      \
-                }                                                                                                      \
-            }                                                                                                          \
-        }                                                                                                              \
-        return;                                                                                                        \
-    }                                                                                                                  \
+    const int ng = (nc + 7) / 8;                                                                                       \
     for (int g = 0; g < ng; ++g) {                                                                                     \
         const block_q8_K * cols[8];                                                                                    \
         for (int c = 0; c < 8 && 8*g + c < nc; ++c) {                                                                  \
@@ -493,13 +449,14 @@ static void tg_##TYPE##_mul_mat(int n, const char * GGML_RESTRICT w, size_t w_st
         }                                                                                                              \
         tg_interleave8(act + (size_t) g * nb, cols, nc - 8*g < 8 ? nc - 8*g : 8, nb);                                  \
     }                                                                                                                  \
-    /* a row at a time, its super-blocks in order: one sequential stream of weights (the prefetcher's best  */       \
-    /* case, measured faster than blocks of rows), the interleaved columns re-read from L2 */                          \
+    /* a row at a time, its super-blocks in order: one sequential stream of weights (measured faster than      */  \
+    /* blocks of rows), the interleaved columns re-read from L2 */                                                     \
     for (int r = 0; r < nr; ++r) {                                                                                     \
         const BLOCK * x = (const BLOCK *) (w + r*w_stride);                                                            \
         __m256 acc[2] = { _mm256_setzero_ps(), _mm256_setzero_ps() };                                                  \
         for (int i = 0; i < nb; ++i) {                                                                                 \
             WTYPE u;                                                                                                   \
+            TG_PREFETCH(x + i);                                                                                        \
             UNPACK(&u, x + i);                                                                                         \
             for (int g = 0; g < ng; ++g) {                                                                             \
                 acc[g] = _mm256_add_ps(acc[g], Z8(&u, act + (size_t) g * nb + i));                                     \
@@ -515,8 +472,8 @@ static void tg_##TYPE##_mul_mat(int n, const char * GGML_RESTRICT w, size_t w_st
     }                                                                                                                  \
 }
 
-TG_GEMM(q4_K, block_q4_K, tg_w_q4_K, tg_unpack_w_q4_K, tg_q4_K_z8, tg_w2_q4_K, tg_pair_q4_K, tg_q4_K_z8p, tg_q4_K_gemv)
-TG_GEMM(q6_K, block_q6_K, tg_w_q6_K, tg_unpack_w_q6_K, tg_q6_K_z8, tg_w2_q6_K, tg_pair_q6_K, tg_q6_K_z8p, tg_q6_K_gemv)
+TG_GEMM(q4_K, block_q4_K, tg_w_q4_K, tg_unpack_w_q4_K, tg_q4_K_z8)
+TG_GEMM(q6_K, block_q6_K, tg_w_q6_K, tg_unpack_w_q6_K, tg_q6_K_z8)
 
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC pop_options
