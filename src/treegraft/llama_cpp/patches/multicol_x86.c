@@ -27,6 +27,8 @@ typedef struct {
 } tg_b32_unpacked;
 
 #define TG_B32_CHUNK 64  // blocks unpacked at a time (3 KiB)
+// the weight stream is memory-bound at small batches: see TG_PREFETCH_AHEAD in bi_kquants_x86.c
+#define TG_B32_PREFETCH_AHEAD 4096
 
 static inline void tg_unpack_q8_0(tg_b32_unpacked * u, const block_q8_0 * x) {
     u->q = _mm256_loadu_si256((const __m256i *)x->qs);
@@ -78,6 +80,11 @@ static inline void tg_q4_1_col(const tg_b32_unpacked * u, const block_q8_1 * y, 
 #define TG_MULTI_B32(NAME, BLOCK, YBLOCK, UNPACK, COL_CALL, SINGLE, RESULT)                                   \
 static void NAME(int n, float * GGML_RESTRICT s, size_t bs, const void * GGML_RESTRICT vx,                   \
                  const void * GGML_RESTRICT vy, size_t by, int nc) {                                          \
+    /* rows are short (a 896-wide Q5_0 row is 616 B) and come one call at a time: prefetch the stretch    */  \
+    /* of weights a row's length, TG_B32_PREFETCH_AHEAD bytes ahead (a no-op past the matrix's end)       */  \
+    for (size_t off = 0; off < (size_t) (n / 32) * sizeof(BLOCK); off += 64) {                               \
+        _mm_prefetch((const char *) vx + TG_B32_PREFETCH_AHEAD + off, _MM_HINT_T0);                          \
+    }                                                                                                         \
     if (nc == 1) {                                                                                            \
         SINGLE(n, s, 0, vx, 0, vy, 0, 1);                                                                     \
         return;                                                                                               \
