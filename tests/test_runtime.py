@@ -567,6 +567,36 @@ def test_a_kernel_that_does_not_build_is_loud_when_strict(monkeypatch):
         assert build_kernel(broken) is None  # lenient: a user's run falls back with one warning line
 
 
+def test_a_build_killed_midway_does_not_hang_the_next_one(tmp_path, monkeypatch):
+    """A build killed midway leaves PyTorch's lock file behind (on which every later build would wait
+    forever): the next build, holding treegraft's flock, removes it with one warning."""
+    import threading
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from treegraft.models.runtime.kernels import _build_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    folder = Path(_get_build_directory("treegraft_lock_probe", verbose=False))
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "lock").touch()
+    with pytest.warns(UserWarning, match="stale build lock"):
+        with _build_lock("treegraft_lock_probe"):
+            assert not (folder / "lock").exists()
+            # a second builder waits while the first holds the flock, and then finds no stale lock
+            entered = threading.Event()
+            second = threading.Thread(target=lambda: _enter(_build_lock, "treegraft_lock_probe", entered))
+            second.start()
+            assert not entered.wait(0.5)
+    second.join(10)
+    assert entered.is_set()
+
+
+def _enter(lock, name, entered):
+    with lock(name):
+        entered.set()
+
+
 @pytest.mark.parametrize("probe, loaded", [(0, False), (4, True)])
 def test_choose_runtime_probes_int4_before_loading_it(tmp_path, monkeypatch, probe, loaded):
     import treegraft.models.runtime.choice as choice

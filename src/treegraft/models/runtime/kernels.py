@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import platform
@@ -64,7 +65,9 @@ def build_kernel(kernel: Kernel, strict: bool | None = None):
     try:
         from torch.utils.cpp_extension import load
 
-        return load(kernel.name, sources=[str(_CSRC / kernel.source)], extra_cflags=list(kernel.cflags), verbose=False)
+        with _build_lock(kernel.name):
+            return load(kernel.name, sources=[str(_CSRC / kernel.source)], extra_cflags=list(kernel.cflags),
+                        verbose=False)
     except Exception as err:  # no compiler, no ninja, a compile error ...
         first = (str(err).strip().splitlines() or [""])[0][:200]
         message = f"{kernel.source} did not build ({type(err).__name__}: {first}); {kernel.without}"
@@ -72,6 +75,33 @@ def build_kernel(kernel: Kernel, strict: bool | None = None):
             raise KernelBuildError(message) from err
         warnings.warn(message, stacklevel=3)
         return None
+
+
+@contextlib.contextmanager
+def _build_lock(name: str):
+    """PyTorch's build lock is a file (``lock`` in the extension's folder) that a build killed midway
+    (Ctrl-C in ``make setup``) leaves behind, and every later build of that extension then waits on it
+    forever. Builds here first take an ``flock`` of their own, which the OS releases when its holder dies;
+    whoever holds it knows a ``lock`` file left in the folder is stale, and removes it."""
+    try:
+        import fcntl
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = Path(_get_build_directory(name, verbose=False))
+    except (ImportError, AttributeError):  # no flock (Windows) or another PyTorch layout: PyTorch's lock alone
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "treegraft.flock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                stale.unlink()
+                warnings.warn(f"removed a stale build lock left by an interrupted build: {stale}", stacklevel=4)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @functools.cache
