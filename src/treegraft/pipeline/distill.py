@@ -188,7 +188,7 @@ def run_distill(cfg: DictConfig) -> dict:
     shares, contrasts = offline_prompt_intervals(
         turn_table, int(p.bootstrap_resamples), seed=0,
         contrasts=[(DISTILLED, "best fixed"), (DISTILLED, PLANNER), (DISTILLED, "all-skip (All-Small)")])
-    # deploy the distilled scheduler only where it beat the best fixed schedule on held-out prompts
+    # deploy the distilled scheduler only where it beats the best fixed schedule on held-out prompts (a tie deploys the fixed one)
     fallback = None
     if s.get("fallback_to_fixed", True) and not contrasts.empty:
         pooled = contrasts[(contrasts["pair"] == "all pairs") & contrasts["contrast"].str.endswith("- best fixed")]
@@ -221,9 +221,9 @@ def run_distill(cfg: DictConfig) -> dict:
     if not contrasts.empty:
         print_table(contrasts, "offline differences, points of the oracle (95% CI over prompts)", console)
     if fallback:
-        console.print(f"[bold]treegraft deploys the fixed schedule {fallback['schedule']}[/]: the distilled scheduler is "
-                      f"{-fallback['distilled_minus_best_fixed_points']:.1f} points of the oracle below the best fixed schedule "
-                      "on held-out prompts (scheduler.fallback_to_fixed)")
+        console.print(f"[bold]treegraft deploys the fixed schedule {fallback['schedule']}[/]: the distilled scheduler does not "
+                      f"beat the best fixed schedule on held-out prompts (distilled - best fixed = "
+                      f"{fallback['distilled_minus_best_fixed_points']:+.1f} points of the oracle; scheduler.fallback_to_fixed)")
     log = stage_logger(cfg, "distill")
     metrics = {k: v for k, v in info.items() if isinstance(v, (int, float))}
     for _, r in shares.iterrows():

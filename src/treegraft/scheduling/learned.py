@@ -136,9 +136,12 @@ class DirectPlanner:
 def fixed_fallback(distilled_minus_fixed: float | None, best_fixed: str) -> dict | None:
     """What ``treegraft`` deploys instead of the distilled scheduler: ``best_fixed`` (run online by a
     :class:`~treegraft.scheduling.policy.FixedScheduler`) where the distilled scheduler's cross-validated
-    share of the oracle is below the best fixed schedule's (``distilled_minus_fixed`` < 0 points, the
-    prompt-resampled point estimate), else None. A learned policy that loses to a constant one on
-    held-out prompts is not deployed."""
-    if distilled_minus_fixed is None or distilled_minus_fixed >= 0:
+    share of the oracle does not beat the best fixed schedule's (``distilled_minus_fixed`` <= 0 points,
+    the prompt-resampled point estimate), else None. A learned policy deploys only by beating a constant
+    one on held-out prompts: a tie is no evidence for it, and online it can still call the middle drafter
+    where the held-out turns never did (a fresh-clone run on a Xeon: distilled = best fixed = all-skip
+    offline, 0.00 points; deployed, it called the 0.5B on 3% of steps and ran 13.5% [7.8, 18.7] below
+    all-skip)."""
+    if distilled_minus_fixed is None or distilled_minus_fixed > 0:
         return None
     return {"policy": "fixed", "schedule": str(best_fixed), "distilled_minus_best_fixed_points": float(distilled_minus_fixed)}
