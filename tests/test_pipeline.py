@@ -725,6 +725,11 @@ def test_evaluation_sized_by_precision_adds_prompts_and_keeps_earlier_records(sm
     assert records.groupby("method").size().to_dict() == {"ar": 3, "all_small": 3, "treegraft": 3, "treegraft@t_mid_x1.25": 1}
     again = {p.name: json.loads(p.read_text().splitlines()[0]) for p in (eval_dir / "tiny-random" / "gsm8k").glob("*.jsonl")}
     assert all(again[k]["tstamp"] == first[k]["tstamp"] for k in first)  # the first prompt's records were kept
+    # a target met at once still runs up to min_prompts_per_benchmark (budget left is spent on prompts)
+    run_evaluate(compose("evaluate", args + ["evaluation.target_half_width=10.0", "evaluation.max_prompts_per_benchmark=5",
+                                             "evaluation.min_prompts_per_benchmark=4", "evaluation.round_prompts=1"]))
+    precision = json.loads((eval_dir / "precision.json").read_text())
+    assert [r["prompts_per_benchmark"] for r in precision["rounds"]] == [1, 2, 3, 4] and precision["met"]
     with pytest.raises(ValueError, match="bad method variant"):
         run_evaluate(compose("evaluate", args + ["evaluation.sensitivity=[t_mid_times2]"]))
 

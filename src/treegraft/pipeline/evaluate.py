@@ -55,7 +55,7 @@ def eval_pairs(cfg: DictConfig) -> list[str]:
 
 
 NOT_IN_RUN_KEY = ("methods", "benchmarks", "prompts_per_benchmark", "ablations", "ablation_prompts", "prompt_offset",
-                  "target_half_width", "max_prompts_per_benchmark", "round_prompts", "sensitivity", "sensitivity_prompts", "scheduler_from")
+                  "target_half_width", "max_prompts_per_benchmark", "min_prompts_per_benchmark", "round_prompts", "sensitivity", "sensitivity_prompts", "scheduler_from")
 
 
 def _write_records(records: list[dict], path: Path) -> None:
@@ -222,7 +222,7 @@ def size_by_precision(cfg: DictConfig, progress, console) -> dict:
     """Evaluate in rounds: ``evaluation.prompts_per_benchmark`` prompts per benchmark first, then
     ``round_prompts`` more a round (records of earlier rounds are kept), until the headline CI's
     half-width (:func:`main_interval`) is at most ``target_half_width`` (with at least
-    ``MIN_PROMPTS_FOR_CI`` prompts per benchmark), or ``max_prompts_per_benchmark``
+    ``MIN_PROMPTS_FOR_CI`` and ``min_prompts_per_benchmark`` prompts per benchmark), or ``max_prompts_per_benchmark``
     is reached, or the next round would end past ``time_budget_min`` (predicted from the last round's
     seconds per prompt). Returns what it reached, also written to ``evaluate/precision.json``."""
     e = cfg.evaluation
@@ -231,6 +231,7 @@ def size_by_precision(cfg: DictConfig, progress, console) -> dict:
     n = int(e.prompts_per_benchmark)
     top = max(n, int(e.get("max_prompts_per_benchmark") or n))
     step = max(1, int(e.get("round_prompts") or 2))
+    least = max(MIN_PROMPTS_FOR_CI, int(e.get("min_prompts_per_benchmark") or 0))
     budget_s = 60 * float(e.time_budget_min) if e.get("time_budget_min") else math.inf
     start, done, rounds = time.perf_counter(), 0, []
     while True:
@@ -245,7 +246,7 @@ def size_by_precision(cfg: DictConfig, progress, console) -> dict:
                       f"half-width {ci.half_width:.3f} (target {target:g})")
         per_prompt = rounds[-1]["seconds"] / max(n - done, 1)
         done, nxt = n, min(top, n + step)
-        if (ci.half_width <= target and n >= MIN_PROMPTS_FOR_CI) or n >= top:
+        if (ci.half_width <= target and n >= least) or n >= top:
             break
         if time.perf_counter() - start + per_prompt * (nxt - n) > budget_s:
             console.print(f"precision: stopping at {n} prompts per benchmark: another round would end past the "
