@@ -92,16 +92,13 @@ def _build_lock(name: str):
         yield
         return
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "treegraft.flock", "a") as handle:
+    with open(folder / "treegraft.flock", "a") as handle:  # closing the file releases the flock
         fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            stale = folder / "lock"
-            if stale.exists():
-                stale.unlink()
-                warnings.warn(f"removed a stale build lock left by an interrupted build: {stale}", stacklevel=4)
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        stale = folder / "lock"
+        if stale.exists():
+            stale.unlink()
+            warnings.warn(f"removed a stale build lock left by an interrupted build: {stale}", stacklevel=4)
+        yield
 
 
 @functools.cache
