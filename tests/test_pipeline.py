@@ -324,6 +324,39 @@ def test_cost_model_never_prices_a_schedule_at_zero():
         apply_cost_model(df, {**model, "intercept_s": -0.1})
 
 
+def test_cost_model_prices_cheap_schedules_by_relative_error():
+    """A few schedules whose middle call also encoded the prompt (+3 s) must not set the price of the
+    cheap ones: an absolute least-squares fit misprices the all-skip schedules by more than half (on a
+    llama.cpp make all it priced them at 0 s, labelling them 1.5e6 tokens/s); the relative fit prices
+    them within 5% and no schedule below half its tree's measured verification."""
+    from sklearn.linear_model import LinearRegression
+
+    from treegraft.models.runtime import curve_at
+    from treegraft.pipeline.collect import CURVE_SCALE, _cost_matrix
+
+    rng = np.random.default_rng(5)
+    n = 640
+    curve = {1: 0.056, 2: 0.067, 4: 0.098, 8: 0.14}
+    calls = rng.integers(0, 6, n)
+    df = pd.DataFrame({"small_calls": rng.integers(0, 12, n) * (calls < 5), "middle_calls": calls,
+                       "middle_tokens": calls * 5 + rng.integers(0, 3, n) * (calls > 0),
+                       "verified_nodes": np.minimum(calls + rng.integers(0, 2, n), 7), "step": 1})
+    verify = np.array([curve_at(curve, b + 1) for b in df["verified_nodes"]])
+    df["latency_measured_s"] = 0.025 * df["middle_tokens"] + verify
+    df.loc[(calls > 0) & (rng.random(n) < 0.05), "latency_measured_s"] += 3.0
+    skip = calls == 0
+    measured = df["latency_measured_s"].to_numpy()
+    x = np.c_[np.ones(n), _cost_matrix(df, curve)[0]]
+    absolute = x @ LinearRegression(positive=True, fit_intercept=False).fit(x, measured).coef_
+    assert np.median(np.abs(absolute[skip] / measured[skip] - 1)) > 0.5  # the case this guards against
+    model = fit_cost_model(df, curve)
+    priced = apply_cost_model(df, model)
+    assert np.median(np.abs(priced[skip] / measured[skip] - 1)) < 0.05
+    assert CURVE_SCALE[0] <= model["verify_curve_s"] <= CURVE_SCALE[1]
+    assert np.all(priced >= CURVE_SCALE[0] * verify)
+    assert model["median_relative_error"] < 0.05
+
+
 def test_evaluate_records_every_method_with_zero_greedy_mismatches(smoke):
     cfg, out, *_ = smoke
     eval_cfg = compose("evaluate", ["experiment=smoke", f"paths.output_dir={out}"])

@@ -109,23 +109,44 @@ def _cost_matrix(rows: pd.DataFrame, curve: dict | None) -> tuple[np.ndarray, li
     return x, names
 
 
+# the verification curve's coefficient in the cost model: the measured curve, up to context length and drift
+CURVE_SCALE = (0.5, 2.0)
+
+
 def fit_cost_model(rows: pd.DataFrame, curve: dict | None = None) -> dict:
-    """Per-call costs: latency = c0 + sum_k c_k * feature_k, non-negative least squares over schedules,
-    c0 included (a negative c0, which a free intercept takes when the curve feature grows faster than
-    the latencies, prices small trees at zero: their tokens/s label becomes unbounded); with ``curve``
-    (the target's verification curve) one feature is the curve at the schedule's tree size."""
-    from sklearn.linear_model import LinearRegression
+    """Per-call costs: latency = c0 + sum_k c_k * feature_k, fitted over schedules by bounded least squares
+    on *relative* errors; with ``curve`` (the target's measured verification curve: verification is not
+    linear in nodes) one more term is the curve at the schedule's tree size, times a scale.
+
+    * Every coefficient >= 0, c0 included: a negative c0 (a free intercept takes one when the curve grows
+      faster than the latencies) prices small trees at zero and makes their tokens/s label unbounded.
+    * Relative errors (each schedule weighted by 1 / its latency): downstream a schedule's label is
+      tokens/s = AL / latency, so a latency's relative error is its label's. Absolute squares let a few
+      slow schedules (a middle drafter's first call of a prompt encodes the whole prompt: seconds) set
+      every coefficient; on a llama.cpp `make all` they priced verification and every call at 0, each
+      all-skip schedule at 1e-6 s (tokens/s 1.5e6), and every offline policy came out at 100% of the oracle.
+    * The curve's scale within ``CURVE_SCALE``: so no schedule costs less than half its tree's measured
+      verification.
+    """
+    from scipy.optimize import lsq_linear
 
     per_schedule = rows[rows["step"] == 1]  # one row per (turn, schedule)
     x, names = _cost_matrix(per_schedule, curve)
     y = per_schedule["latency_measured_s"].to_numpy(np.float64)
-    ones = np.ones((len(x), 1))
-    reg = LinearRegression(positive=True, fit_intercept=False).fit(np.concatenate([ones, x], axis=1), y)
-    intercept, coef = float(reg.coef_[0]), reg.coef_[1:]
+    if len(y) == 0 or np.any(y <= 0):
+        raise ValueError(f"fit_cost_model needs positive measured latencies, got {len(y)} schedules "
+                         f"with minimum {y.min() if len(y) else float('nan')}")
+    a = np.concatenate([np.ones((len(x), 1)), x], axis=1)
+    low, high = np.zeros(a.shape[1]), np.full(a.shape[1], np.inf)
+    if curve:
+        low[-1], high[-1] = CURVE_SCALE
+    fit = lsq_linear(a / y[:, None], np.ones_like(y), bounds=(low, high), method="bvls")
+    intercept, coef = float(fit.x[0]), fit.x[1:]
     pred = intercept + x @ coef
     r2 = 1 - np.sum((y - pred) ** 2) / max(np.sum((y - y.mean()) ** 2), 1e-18)
     return {"intercept_s": intercept, **{f"{k}_s": float(c) for k, c in zip(names, coef)},
-            "r2": float(r2), "schedules": int(len(per_schedule)),
+            "r2": float(r2), "median_relative_error": float(np.median(np.abs(pred / y - 1))),
+            "schedules": int(len(per_schedule)),
             "verify_curve": {str(k): float(v) for k, v in curve.items()} if curve else None}
 
 
