@@ -15,7 +15,7 @@ import pytest
 from treegraft.pipeline.artifacts import MissingArtifactError, stage_dir
 from treegraft.pipeline.collect import COST_FEATURES, apply_cost_model, fit_cost_model, run_collect
 from treegraft.pipeline.distill import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER, distill_predictor, run_distill
-from treegraft.pipeline.evaluate import read_records, run_evaluate, run_key
+from treegraft.pipeline.evaluate import read_records, rotated_order, run_evaluate, run_key
 from treegraft.pipeline.report import make_figures, make_tables
 from treegraft.pipeline.fit import run_fit
 from treegraft.scheduling.features import ALL_FEATURES, state_names, state_vector, suffix_vector
@@ -355,6 +355,19 @@ def test_cost_model_prices_cheap_schedules_by_relative_error():
     assert CURVE_SCALE[0] <= model["verify_curve_s"] <= CURVE_SCALE[1]
     assert np.all(priced >= CURVE_SCALE[0] * verify)
     assert model["median_relative_error"] < 0.05
+
+
+def test_methods_run_ar_first_then_in_an_order_rotated_prompt_by_prompt():
+    methods = ["ar", "all_small", "all_mid", "treegraft"]
+    orders = [rotated_order(methods, k) for k in range(6)]
+    assert all(o[0] == "ar" and sorted(o) == sorted(methods) for o in orders)
+    # over 2 x 3 prompts every other method runs in every place, and right after every other method
+    for place in (1, 2, 3):
+        assert {o[place] for o in orders} == {"all_small", "all_mid", "treegraft"}
+    for m in methods[1:]:
+        assert {o[o.index(m) - 1] for o in orders if o.index(m) > 1} == set(methods[1:]) - {m}
+    assert rotated_order(methods, 6) == orders[0]
+    assert rotated_order(["all_small", "treegraft"], 1) == ["treegraft", "all_small"]  # without ar: the same rule
 
 
 def test_evaluate_records_every_method_with_zero_greedy_mismatches(smoke):

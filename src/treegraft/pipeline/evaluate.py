@@ -118,6 +118,21 @@ def evaluation_units(cfg: DictConfig, prompts: dict[str, list], methods: list[st
     return sum(len(method_prompts(cfg, m, prompts[b])) for b in prompts for m in methods)
 
 
+def rotated_order(methods: list[str], k: int) -> list[str]:
+    """The order the methods run on a benchmark's ``k``-th prompt: ``ar`` first (every other method's
+    output is compared with it), then the others rotated by one place every two prompts, reversed on
+    odd prompts, so that no method always runs in the same place or right after the same method (one
+    after ``all_mid``, which streams the middle drafter's weights at every step, would otherwise always
+    start where that left the machine)."""
+    rest = [m for m in methods if m != "ar"]
+    if rest:
+        shift = (k // 2) % len(rest)
+        rest = rest[shift:] + rest[:shift]
+        if k % 2:
+            rest.reverse()
+    return ["ar"] * ("ar" in methods) + rest
+
+
 def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], prompts, categories, saved, paths, keys,
                          methods, schedulers, sampling, progress) -> None:
     """One worker's share: build and warm up every decoder it needs, then for each benchmark run the
@@ -166,8 +181,8 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
         reuse.forget()  # every decoder's score request is known now; timed prompts are encoded afresh
     for bench in benchmarks:
         records = {m: dict(saved[bench, m]) for m in methods}
-        for qid, ids in prompts[bench]:  # methods interleaved prompt by prompt: drift hits all alike
-            fresh = [m for m in methods if qid in missing[bench, m]]
+        for k, (qid, ids) in enumerate(prompts[bench]):  # methods interleaved prompt by prompt: drift hits all alike
+            fresh = [m for m in rotated_order(methods, k) if qid in missing[bench, m]]
             for method in fresh:
                 result = decoders[method].generate(ids, int(e.max_new_tokens))
                 text = pair.tokenizer.decode(result.tokens, skip_special_tokens=True)
