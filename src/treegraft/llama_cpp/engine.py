@@ -482,6 +482,7 @@ class LlamaCppDrafter:
         self.forward_s = 0.0
         self.charged_s = 0.0  # seconds of a shared prompt encoding charged since reset (PromptReuse)
         self._prompt: list[int] = []
+        self.epoch = 0  # clears of the cache within a prompt (a snapshot's node cells live in one epoch)
 
     # the draft vocabulary grows with the context, as SubsetHead does
     def _add_vocab(self, tokens: list[int]) -> None:
@@ -516,10 +517,15 @@ class LlamaCppDrafter:
     def snapshot(self) -> tuple:
         """Within a turn the cells only grow: restoring drops the seqs of the nodes encoded since (and
         the context caught up since), so schedules that share a prefix branch from the same state."""
-        return (self.committed, list(self.pending), dict(self.seq_of), dict(self.logprobs), dict(self._row_logits))
+        return (self.committed, list(self.pending), dict(self.seq_of), dict(self.logprobs), dict(self._row_logits),
+                self.epoch)
 
     def restore(self, snap: tuple) -> None:
-        committed, pending, seq_of, logprobs, row_logits = snap
+        committed, pending, seq_of, logprobs, row_logits, epoch = snap
+        if epoch != self.epoch:  # the cache was cleared since (:meth:`_make_room`): the snapshot's node cells
+            self._drop_nodes(list(self.seq_of))  # are gone; keep today's context, re-encode nodes when needed
+            self.seq_of, self.logprobs, self._row_logits = {}, dict(logprobs), dict(row_logits)
+            return
         self._drop_nodes([n for n in self.seq_of if n not in seq_of])
         if self.committed > committed:
             self.model.bury(0, committed)
@@ -612,10 +618,26 @@ class LlamaCppDrafter:
             a = tree.parent[a]
         return a
 
+    def _make_room(self, tree: DraftTree, nodes: list[int]) -> None:
+        """Clear the cache when this call's rows do not fit in its free cells; the context is then
+        re-encoded with the call (a saved prompt restored), and this turn's nodes as they are needed
+        again. Buried cells come back only this way, and a turn can bury many: schedule enumeration
+        encodes and buries the nodes of 2^D constructions (a 96-token collect on a 1,400-token CNN/DM
+        prompt ran out: "31 rows with 30 of 4096 cells free"). Node scores already read stay valid: a
+        node's logits depend only on its path."""
+        m = self.model
+        if m.free_cells() >= len(self.pending) + len(tree.closure_missing(nodes, self.seq_of)):
+            return
+        m.clear()
+        self.tokens, self.committed, self.pending = [], 0, self.tokens + self.pending
+        self.seq_of = {}
+        self.epoch += 1
+
     def encode(self, tree: DraftTree, nodes: list[int], need_logprobs: list[int] | None = None) -> None:
         """Encode ``nodes`` (and unencoded ancestors); fill ``self.logprobs`` for ``need_logprobs``
         (default ``nodes``)."""
         need = list(nodes if need_logprobs is None else need_logprobs)
+        self._make_room(tree, nodes)
         todo = tree.closure_missing(nodes, self.seq_of)
         start = time.perf_counter()
         if todo or self.pending:
