@@ -182,22 +182,31 @@ def test_a_full_cache_is_re_encoded_without_changing_the_output(smol, cache_dir)
     assert len(clears) >= 2, f"expected a re-encode (clears of a used cache at {clears})"  # prefill + 1 or more
 
 
+def _drafter_with_one_node(model, ids):
+    """A drafter on ``model`` reset to ``ids`` (all in exact kernels, so scores compare with one-token
+    decoding) and a tree of the root and one child ``a`` (token 100), both encoded."""
+    from treegraft.llama_cpp.engine import LlamaCppDrafter
+    from treegraft.tree import DraftTree
+
+    drafter = LlamaCppDrafter(model)
+    drafter.fast_rows = len(ids)
+    drafter.reset(ids)
+    tree = DraftTree.with_root(ids[-1])
+    a = tree.add_child(0, 100, -1.0, 0, 0)
+    drafter.encode(tree, [0, a])
+    return drafter, tree, a
+
+
 def test_a_drafter_whose_turn_fills_the_cache_re_encodes_its_context(smol):
     """Schedule enumeration encodes and buries a turn's nodes 2^D times; on a long prompt the drafter's
     cells ran out within a turn ("KV cache full: 31 rows with 30 of 4096 cells free"). It now clears its
     cache and re-encodes the context when a call would not fit, snapshots taken before still restore,
     and every score is the one-token decoding's."""
-    from treegraft.llama_cpp.engine import GGUFModel, LlamaCppDrafter
-    from treegraft.tree import DraftTree
+    from treegraft.llama_cpp.engine import GGUFModel
 
     ids = chat(smol.tokenizer, PROMPT)
     small = GGUFModel(smol.middle.path, n_ctx=len(ids) + 24, n_seq=64, threads=smol.middle.threads)
-    drafter = LlamaCppDrafter(small)
-    drafter.fast_rows = len(ids)  # the prompt in exact kernels too, so the scores compare with one-token decoding
-    drafter.reset(ids)
-    tree = DraftTree.with_root(ids[-1])
-    a = tree.add_child(0, 100, -1.0, 0, 0)
-    drafter.encode(tree, [0, a])
+    drafter, tree, a = _drafter_with_one_node(small, ids)
     snap = drafter.snapshot()
     b = tree.add_child(a, 200, -1.0, 0, 0)
     scores = []
@@ -213,16 +222,8 @@ def test_a_drafter_whose_turn_fills_the_cache_re_encodes_its_context(smol):
 
 
 def test_drafter_snapshot_and_restore_branch_from_the_same_state(smol):
-    from treegraft.llama_cpp.engine import LlamaCppDrafter
-    from treegraft.tree import DraftTree, build_tree_inputs
-
     ids = chat(smol.tokenizer, PROMPT)
-    drafter = LlamaCppDrafter(smol.middle)
-    drafter.fast_rows = len(ids)  # the prompt in exact kernels too, so the scores compare with one-token decoding
-    drafter.reset(ids)
-    tree = DraftTree.with_root(ids[-1])
-    a = tree.add_child(0, 100, -1.0, 0, 0)
-    drafter.encode(tree, [0, a])
+    drafter, tree, a = _drafter_with_one_node(smol.middle, ids)
     snap = drafter.snapshot()
     first = drafter.logprobs[a].logp.clone()
     b = tree.add_child(a, 200, -1.0, 0, 0)

@@ -522,7 +522,7 @@ class LlamaCppDrafter:
 
     def restore(self, snap: tuple) -> None:
         committed, pending, seq_of, logprobs, row_logits, epoch = snap
-        if epoch != self.epoch:  # the cache was cleared since (:meth:`_make_room`): the snapshot's node cells
+        if epoch != self.epoch:  # the cache was cleared since (:meth:`_clear`): the snapshot's node cells
             self._drop_nodes(list(self.seq_of))  # are gone; keep today's context, re-encode nodes when needed
             self.seq_of, self.logprobs, self._row_logits = {}, dict(logprobs), dict(row_logits)
             return
@@ -618,17 +618,11 @@ class LlamaCppDrafter:
             a = tree.parent[a]
         return a
 
-    def _make_room(self, tree: DraftTree, nodes: list[int]) -> None:
-        """Clear the cache when this call's rows do not fit in its free cells; the context is then
-        re-encoded with the call (a saved prompt restored), and this turn's nodes as they are needed
-        again. Buried cells come back only this way, and a turn can bury many: schedule enumeration
-        encodes and buries the nodes of 2^D constructions (a 96-token collect on a 1,400-token CNN/DM
-        prompt ran out: "31 rows with 30 of 4096 cells free"). Node scores already read stay valid: a
-        node's logits depend only on its path."""
-        m = self.model
-        if m.free_cells() >= len(self.pending) + len(tree.closure_missing(nodes, self.seq_of)):
-            return
-        m.clear()
+    def _clear(self) -> None:
+        """Clear the cache (buried cells come back only this way); the context becomes pending, to be
+        re-encoded with the next call (a saved prompt restored), and this turn's nodes as they are needed
+        again. Node scores already read stay valid: a node's logits depend only on its path."""
+        self.model.clear()
         self.tokens, self.committed, self.pending = [], 0, self.tokens + self.pending
         self.seq_of = {}
         self.epoch += 1
@@ -637,8 +631,12 @@ class LlamaCppDrafter:
         """Encode ``nodes`` (and unencoded ancestors); fill ``self.logprobs`` for ``need_logprobs``
         (default ``nodes``)."""
         need = list(nodes if need_logprobs is None else need_logprobs)
-        self._make_room(tree, nodes)
         todo = tree.closure_missing(nodes, self.seq_of)
+        # a turn can bury many cells (schedule enumeration encodes and buries 2^D constructions' nodes; a
+        # 96-token collect on a 1,400-token CNN/DM prompt ran out: "31 rows with 30 of 4096 cells free")
+        if self.model.free_cells() < len(self.pending) + len(todo):
+            self._clear()
+            todo = tree.closure_missing(nodes, self.seq_of)
         start = time.perf_counter()
         if todo or self.pending:
             self._decode_rows(todo, tree)
@@ -667,8 +665,8 @@ class LlamaCppDrafter:
         self.committed += kept
         self.tokens += list(path_tokens[:kept])
         self.pending.extend(path_tokens[kept:])
-        if self.model.free_cells() < self.reserve:  # buried cells come back only with a cleared cache
-            self.model.clear()
-            self.tokens, self.committed, self.pending = [], 0, self.tokens + self.pending
+        self.seq_of = {}
+        if self.model.free_cells() < self.reserve:
+            self._clear()
         self._add_vocab(list(path_tokens))
-        self.seq_of, self.logprobs, self._row_logits = {}, {}, {}
+        self.logprobs, self._row_logits = {}, {}
