@@ -529,6 +529,28 @@ def test_fit_and_distill_skip_when_up_to_date_and_redo_when_forced_or_changed(sm
     assert scheduler.stat().st_mtime_ns != stamp
 
 
+def test_a_stage_stays_up_to_date_when_only_what_evaluate_runs_changes(tmp_path):
+    from omegaconf import OmegaConf
+
+    from treegraft.pipeline.artifacts import record_stage, up_to_date
+
+    conf = OmegaConf.create({"scheduler": {"epochs": 20}, "evaluation": {"ablation_prompts": 4}, "logger": "none"})
+    rows = tmp_path / "rows.parquet"
+    rows.write_bytes(b"rows")
+    (tmp_path / "value_heads.pt").write_bytes(b"heads")
+    record_stage(tmp_path, OmegaConf.to_yaml(conf), [rows])
+
+    def current(**changes) -> bool:
+        changed = OmegaConf.merge(conf, OmegaConf.create(changes))
+        return up_to_date(tmp_path, OmegaConf.to_yaml(changed), [rows], ["value_heads.pt"])
+
+    assert current()
+    assert current(evaluation={"ablation_prompts": 2}, logger="wandb")  # fit and distill never read these
+    assert not current(scheduler={"epochs": 3})  # a setting they read
+    rows.write_bytes(b"other rows")
+    assert not current()  # an input that changed
+
+
 def test_pair_overrides_size_collect_per_pair():
     from omegaconf import OmegaConf
 

@@ -75,9 +75,11 @@ def record_stage(directory: Path, config_yaml: str, inputs: Iterable[Path] = ())
     atomic_write_json({str(p): file_hash(p) for p in inputs}, Path(directory) / "inputs.json")
 
 
-# keys that do not change a stage's artifacts: where to log, whether to redo, where files live, and
-# collect's sizing (what collect produced reaches fit and distill through the hashes of the row files)
-_NOT_CONFIG = ("logger", "force", "paths")
+# keys that do not change a stage's artifacts: where to log, whether to redo, where files live, what
+# evaluate runs (fit and distill never read it: a changed evaluation must not refit the scheduler, which
+# would also redo every learned method's records), and collect's sizing (what collect produced reaches
+# fit and distill through the hashes of the row files)
+_NOT_CONFIG = ("logger", "force", "paths", "evaluation")
 _COLLECT_SIZING = ("prompts_per_benchmark", "pair_overrides", "enumerate_every", "max_enumerated_turns",
                    "warmup_tokens", "warmup_repeats", "max_new_tokens", "max_prompt_tokens")
 
@@ -92,7 +94,7 @@ def _comparable_config(config_yaml: str) -> dict:
 
 def up_to_date(directory: Path, config_yaml: str, inputs: Iterable[Path], outputs: Iterable[str]) -> bool:
     """True when ``directory`` holds every file of ``outputs`` and was recorded (:func:`record_stage`)
-    with the same config (``logger``, ``force``, ``paths`` and collect's sizing aside) and the same input hashes."""
+    with the same config (``logger``, ``force``, ``paths``, ``evaluation`` and collect's sizing aside) and the same input hashes."""
     d = Path(directory)
     if not all((d / name).exists() for name in ("config.yaml", "inputs.json", *outputs)):
         return False
