@@ -94,7 +94,7 @@ def _comparable_config(config_yaml: str) -> dict:
 
 def up_to_date(directory: Path, config_yaml: str, inputs: Iterable[Path], outputs: Iterable[str]) -> bool:
     """True when ``directory`` holds every file of ``outputs`` and was recorded (:func:`record_stage`)
-    with the same config (``logger``, ``force``, ``paths``, ``evaluation`` and collect's sizing aside) and the same input hashes."""
+    with the same config (the keys of ``_NOT_CONFIG`` and ``_COLLECT_SIZING`` aside) and the same input hashes."""
     d = Path(directory)
     if not all((d / name).exists() for name in ("config.yaml", "inputs.json", *outputs)):
         return False
