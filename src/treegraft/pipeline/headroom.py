@@ -1,0 +1,202 @@
+"""N-gram headroom: how much any n-gram drafter could gain on a run's own outputs, at its engine's
+measured verification costs (``scripts/ngram_headroom.py`` prints it).
+
+The ``ar`` records of a run are replayed against three model-free drafters, each step verified at the
+target's t(n):
+
+* ``hindsight_any``: at each depth the true token counts as drafted when it followed *any* earlier
+  occurrence of the context's last n tokens (n = 1..max_n), and each step verifies exactly the
+  accepted path: a bound on every n-gram tree, however wide;
+* ``hindsight_chain``: one chain (the longest match's most frequent continuation, the most recent on
+  ties), verifying exactly its accepted prefix: a bound on that chain;
+* ``calibrated_chain``: the same chain cut where (1 + E[accepted]) / t(k + 1) is best, with E from
+  per-kind acceptance rates (order, depth, unanimous continuation) fitted on these very outputs
+  (in-sample, so optimistic): what a sizing rule that sees no future reaches.
+
+Drafting and bookkeeping cost nothing here, so every figure is above what a decoder gets. Speedups are
+over ``ar``'s own time on the same prompts, decode only and end to end (``ar``'s measured prefill kept:
+every method pays it), ratio of sums with a paired bootstrap CI over prompts within benchmarks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..stats import bootstrap_weights, interval, ratio_of_sums
+
+__all__ = ["POLICIES", "NGramIndex", "curve_cost", "replay", "fit_rates", "load_ar_records", "headroom"]
+
+POLICIES = ("hindsight_any", "hindsight_chain", "calibrated_chain")
+
+
+class NGramIndex:
+    """Continuations of every n-gram (n = 1..max_n) of a growing sequence: n-gram -> Counter of the
+    tokens that followed it, plus the position each was last seen at (for ties)."""
+
+    def __init__(self, max_n: int):
+        self.max_n = max_n
+        self.seq: list[int] = []
+        self.next: dict[tuple, Counter] = {}
+        self.last: dict[tuple, dict[int, int]] = {}
+
+    def append(self, token: int) -> None:
+        seq = self.seq
+        for n in range(1, min(self.max_n, len(seq)) + 1):  # n-grams ending at the old last token gain a follower
+            key = tuple(seq[-n:])
+            self.next.setdefault(key, Counter())[token] += 1
+            self.last.setdefault(key, {})[token] = len(seq)
+        seq.append(token)
+
+    def followers(self, tail: list[int], orders) -> set[int]:
+        """Every token that followed the last n tokens of ``tail`` for any n in ``orders``."""
+        out: set[int] = set()
+        for n in orders:
+            if len(tail) >= n and (c := self.next.get(tuple(tail[-n:]))):
+                out.update(c)
+        return out
+
+    def top(self, tail: list[int]) -> tuple[int, int, bool] | None:
+        """(token, matched order, unanimous) for the longest matching n-gram's most frequent
+        continuation (the most recent among equals); None when nothing matches."""
+        for n in range(min(self.max_n, len(tail)), 0, -1):
+            c = self.next.get(tuple(tail[-n:]))
+            if c:
+                last = self.last[tuple(tail[-n:])]
+                token = max(c, key=lambda t: (c[t], last[t]))
+                return token, n, len(c) == 1
+        return None
+
+    def chain(self, depth: int) -> list[tuple[int, tuple]]:
+        """Up to ``depth`` drafted (token, kind) pairs from the current end, each extending the last."""
+        tail, out = list(self.seq[-self.max_n:]), []
+        for d in range(depth):
+            hit = self.top(tail)
+            if hit is None:
+                break
+            token, order, unanimous = hit
+            out.append((token, (order, min(d, 2), unanimous)))
+            tail = (tail + [token])[-self.max_n:]
+        return out
+
+
+def curve_cost(curve: dict[int, float], n: int) -> float:
+    """t(n) from a measured curve, linear between measured sizes (extrapolated from the last two)."""
+    sizes = sorted(curve)
+    if n in curve:
+        return curve[n]
+    lo = max([s for s in sizes if s < n], default=sizes[0])
+    hi = min([s for s in sizes if s > n], default=None)
+    if hi is None:
+        lo, hi = sizes[-2], sizes[-1]
+    return curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo)
+
+
+def _accepted(drafts: list[int], truth: list[int]) -> int:
+    a = 0
+    while a < len(drafts) and a < len(truth) and drafts[a] == truth[a]:
+        a += 1
+    return a
+
+
+def replay(prompt: list[int], output: list[int], policy: str, costs: list[float], max_n: int, max_depth: int,
+           rates: dict | None = None) -> tuple[int, float]:
+    """(steps, cost in units of t(1)) of decoding ``output`` after ``prompt`` under ``policy``; ``costs[k]``
+    = t(k + 1) / t(1) for k drafted rows."""
+    index = NGramIndex(max_n)
+    for token in prompt:
+        index.append(token)
+    steps, cost, i = 0, 0.0, 0
+    while i < len(output):
+        if policy == "hindsight_any":
+            a = 0
+            while a < max_depth and i + a < len(output) and output[i + a] in index.followers(
+                    index.seq[-max_n:], range(1, max_n + 1)):
+                index.append(output[i + a])
+                a += 1
+            rows = a
+        else:
+            chain = index.chain(max_depth)
+            if policy == "calibrated_chain":
+                best, rows, expected, p = 1.0 / costs[0], 0, 0.0, 1.0
+                for k, (_, kind) in enumerate(chain, start=1):
+                    p *= rates.get(kind, 0.0)
+                    expected += p
+                    if (1 + expected) / costs[k] > best:
+                        best, rows = (1 + expected) / costs[k], k
+                chain = chain[:rows]
+            a = _accepted([t for t, _ in chain], output[i:])
+            rows = rows if policy == "calibrated_chain" else a
+            for token in output[i:i + a]:
+                index.append(token)
+        steps += 1
+        cost += costs[rows]
+        if i + a < len(output):
+            index.append(output[i + a])  # the bonus token
+        i += a + 1
+    return steps, cost
+
+
+def fit_rates(examples: list[tuple[list[int], list[int]]], max_n: int, max_depth: int) -> dict:
+    """P(a chain token of this kind is accepted | its parent was), counted at every position of every output."""
+    hits, seen = Counter(), Counter()
+    for prompt, output in examples:
+        index = NGramIndex(max_n)
+        for token in prompt:
+            index.append(token)
+        for i, token in enumerate(output):
+            chain = index.chain(max_depth)
+            a = _accepted([t for t, _ in chain], output[i:])
+            for d, (_, kind) in enumerate(chain[:a + 1]):
+                seen[kind] += 1
+                hits[kind] += d < a
+            index.append(token)
+    return {kind: hits[kind] / seen[kind] for kind in seen}
+
+
+def load_ar_records(run: Path, pair: str | None) -> pd.DataFrame:
+    rows = []
+    for path in sorted((run / "evaluate").glob("*/*/ar.jsonl")):
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            if pair and r["pair"] != pair:
+                continue
+            if "prompt_ids" not in r:
+                raise SystemExit(f"error: {path} has no prompt_ids: records from before they were kept cannot be replayed")
+            rows.append({"pair": r["pair"], "benchmark": r["benchmark"], "question_id": r["question_id"],
+                         "prompt": r["prompt_ids"], "output": r["tokens"], "prefill_s": r.get("prefill_s") or 0.0,
+                         "wall_s": r["choices"][0]["wall_time"][0], "cpu": r.get("cpu"), "runtime": r.get("runtime")})
+    if not rows:
+        raise SystemExit(f"error: no ar records under {run / 'evaluate'}: expected outputs/pipeline/<experiment>")
+    return pd.DataFrame(rows)
+
+
+def headroom(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max_depth: int = 8,
+             n_resamples: int = 2000) -> pd.DataFrame:
+    """One row per (policy, benchmark or 'all'): decode-only and end-to-end speedup over ar with CIs."""
+    costs = [curve_cost(curve, k + 1) / curve_cost(curve, 1) for k in range(max_depth + 1)]
+    examples = list(zip(records["prompt"], records["output"]))
+    rates = fit_rates(examples, max_n, max_depth)
+    ar_decode = (records["wall_s"] - records["prefill_s"]).to_numpy(np.float64)
+    prefill = records["prefill_s"].to_numpy(np.float64)
+    tokens = records["output"].map(len).to_numpy(np.float64)
+    out = []
+    for policy in POLICIES:
+        units = np.array([replay(p, o, policy, costs, max_n, max_depth, rates)[1] for p, o in examples])
+        decode = ar_decode * units / tokens  # ar's seconds per token times the policy's cost in t(1) units
+        for bench, mask in [("all", np.ones(len(records), bool)),
+                            *((b, (records["benchmark"] == b).to_numpy()) for b in sorted(records["benchmark"].unique()))]:
+            strata = records["benchmark"][mask].tolist()
+            w = bootstrap_weights(strata, n_resamples)
+            dec = interval(ratio_of_sums(ar_decode[mask], decode[mask]), w)
+            e2e = interval(ratio_of_sums(ar_decode[mask] + prefill[mask], decode[mask] + prefill[mask]), w)
+            out.append({"policy": policy, "benchmark": bench, "decode x ar": dec.format(),
+                        "end to end x ar": e2e.format(), "n": dec.n,
+                        "prefill share of ar": f"{prefill[mask].sum() / (ar_decode[mask] + prefill[mask]).sum():.2f}"})
+    return pd.DataFrame(out)
+
+

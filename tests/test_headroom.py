@@ -1,0 +1,73 @@
+"""The n-gram headroom replay (treegraft.pipeline.headroom) on cases with known answers."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from treegraft.pipeline.headroom import NGramIndex, curve_cost, headroom, load_ar_records, replay
+
+# the prompt ends in 0, and 0 was followed by 1 .. 9 earlier: the output 1 .. 9 is one long copy
+PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0]
+COPY = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+NOVEL = [21, 22, 23, 24, 25, 26, 27, 28, 29]  # never seen before: nothing to draft
+
+
+def _records(outputs, wall=10.0, prefill=1.0):
+    return pd.DataFrame([{"pair": "p", "benchmark": "b", "question_id": i, "prompt": PROMPT, "output": out,
+                          "prefill_s": prefill, "wall_s": wall, "cpu": "x", "runtime": "r"}
+                         for i, out in enumerate(outputs)])
+
+
+def test_index_takes_the_longest_match_and_says_whether_its_continuation_is_unanimous():
+    index = NGramIndex(max_n=3)
+    for token in [1, 2, 3, 1, 2, 4, 1, 2]:
+        index.append(token)
+    token, order, unanimous = index.top([1, 2])
+    assert (order, unanimous) == (2, False) and token == 4  # 3 and 4 each followed (1, 2) once: the most recent wins
+    assert index.followers([1, 2], [2]) == {3, 4}
+    assert index.top([9]) is None
+
+
+def test_a_flat_curve_makes_a_whole_copy_one_step_and_a_linear_one_makes_drafting_free_of_gain():
+    flat = [1.0] * 9
+    linear = [k + 1.0 for k in range(9)]
+    for policy in ("hindsight_any", "hindsight_chain"):
+        assert replay(PROMPT, COPY, policy, flat, max_n=3, max_depth=8) == (1, 1.0)  # 8 drafts + the bonus
+        steps, cost = replay(PROMPT, COPY, policy, linear, max_n=3, max_depth=8)
+        assert cost == pytest.approx(len(COPY))  # t(a + 1) = a + 1 units for a + 1 tokens
+        assert replay(PROMPT, NOVEL, policy, flat, max_n=3, max_depth=8) == (9, 9.0)
+
+
+def test_the_calibrated_chain_drafts_only_what_pays_at_the_curve():
+    flat, steep = [1.0] * 9, [1.0 + 10 * k for k in range(9)]
+    sure = {(order, depth, unanimous): 1.0 for order in range(1, 4) for depth in range(3) for unanimous in (True, False)}
+    assert replay(PROMPT, COPY, "calibrated_chain", flat, 3, 8, sure) == (1, 1.0)
+    assert replay(PROMPT, COPY, "calibrated_chain", steep, 3, 8, sure) == (9, 9.0)  # a row costs 10 steps: never draft
+    never = {kind: 0.0 for kind in sure}
+    assert replay(PROMPT, COPY, "calibrated_chain", flat, 3, 8, never) == (9, 9.0)
+
+
+def test_headroom_speedups_are_tokens_per_cost_unit_and_keep_the_prefill():
+    """Two copy prompts, a flat curve: decode 9x faster; end to end (9 + 1) / (9 / 9 + 1) = 5x."""
+    table = headroom(_records([COPY, COPY], wall=10.0, prefill=1.0), {1: 0.05, 8: 0.05, 16: 0.05}, max_n=3,
+                     max_depth=8, n_resamples=50)
+    row = table[(table["policy"] == "hindsight_any") & (table["benchmark"] == "all")].iloc[0]
+    assert row["decode x ar"].startswith("9.00") and row["end to end x ar"].startswith("5.00") and row["n"] == 2
+    assert row["prefill share of ar"] == "0.10"
+
+
+def test_curve_interpolates_between_measured_sizes_and_extrapolates_past_the_last():
+    curve = {1: 10.0, 2: 12.0, 4: 20.0}
+    assert curve_cost(curve, 3) == pytest.approx(16.0)
+    assert curve_cost(curve, 6) == pytest.approx(28.0)
+
+
+def test_records_without_prompt_ids_fail_with_the_file_named(tmp_path):
+    path = tmp_path / "evaluate" / "p" / "b"
+    path.mkdir(parents=True)
+    (path / "ar.jsonl").write_text(json.dumps({"pair": "p", "benchmark": "b", "question_id": 1, "tokens": [1]}) + "\n")
+    with pytest.raises(SystemExit, match="ar.jsonl has no prompt_ids"):
+        load_ar_records(tmp_path, None)
