@@ -679,6 +679,36 @@ def test_forked_workers_run_kernels_after_the_parent_ran_multithreaded_ones(tmp_
     assert float((tmp_path / "2.txt").read_text()) == pytest.approx(expected + 2, rel=1e-4)
 
 
+@pytest.mark.timeout(120)
+def test_pulled_jobs_go_to_whichever_worker_is_free(tmp_path):
+    """The heavy job (its weight says only 2x a light one) waits until the three light ones are done:
+    split in advance by weight (2 | 1 + 1, then the third light job behind the heavy one) it would wait
+    in vain; pulled from one queue, the other worker takes all three."""
+    import os
+    import time
+
+    from treegraft.pipeline.parallel import fork_pull
+
+    def work(pull, report):
+        for job in pull:
+            if job == "heavy":
+                deadline = time.monotonic() + 30
+                while len(list(tmp_path.glob("light*"))) < 3 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+            (tmp_path / job).write_text(str(os.getpid()))
+            report(1)
+
+    seen = []
+    fork_pull(work, ["light1", "light2", "heavy", "light3"], [1, 1, 2, 1], 2, progress=seen.append)
+    pids = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert sum(seen) == 4 and sorted(pids) == ["heavy", "light1", "light2", "light3"]
+    assert len({pids["light1"], pids["light2"], pids["light3"]}) == 1 and pids["heavy"] != pids["light1"]
+
+    order = []
+    fork_pull(lambda pull, report: order.extend(pull), ["a", "b", "c"], [1, 3, 2], 1)
+    assert order == ["b", "c", "a"]  # one worker: in this process, heaviest first
+
+
 def _one_pair_rows(depth: int = 2, turns: int = 60, t_tgt: float = 100.0, t_mid: float = 25.0, seed: int = 5) -> pd.DataFrame:
     """Enumerated turns of one pair: every call adds 0.8 accepted tokens and costs t_mid; timings constant."""
     rng = np.random.default_rng(seed)

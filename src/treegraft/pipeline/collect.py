@@ -28,7 +28,7 @@ from ..machine import cpu_info
 from .enumeration import TurnEnumeration, enumerate_turn
 from ..scheduling.features import ALL_FEATURES, state_names, state_vector, suffix_names, suffix_vector
 from .artifacts import MissingArtifactError, atomic_write_json, atomic_write_parquet
-from .parallel import fork_map, split_jobs, one_thread_with_workers
+from .parallel import fork_pull, one_thread_with_workers
 
 __all__ = [
     "decode_with_enumeration",
@@ -303,11 +303,11 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
                 atomic_write_parquet(pd.DataFrame(rows), shard_path(collect_dir, pair_name, bench, qid))
             report(1)
 
-    groups = split_jobs(todo, [len(ids) + 4 * int(pp.max_new_tokens) for _, _, ids in todo],
-                        engine_workers(pair, p.workers))
-    bar = None if progress is not None else tqdm(total=len(todo), desc=f"collect {pair_name} ({len(groups)} worker(s))",
+    workers = min(engine_workers(pair, p.workers), len(todo))
+    bar = None if progress is not None else tqdm(total=len(todo), desc=f"collect {pair_name} ({workers} worker(s))",
                                                  file=sys.stderr)
-    fork_map(collect_prompts, groups, progress or bar.update)
+    fork_pull(collect_prompts, todo, [len(ids) + 4 * int(pp.max_new_tokens) for _, _, ids in todo], workers,
+              progress or bar.update)
     if bar is not None:
         bar.close()
 

@@ -39,7 +39,7 @@ from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_tex
 from .common import fold_intervals, pair_spec, print_table, stage_prompts, stage_records
 from .estimates import PromptTable, method_intervals
 from .records import make_record, read_records, summarize_records
-from .parallel import fork_map, split_jobs, one_thread_with_workers
+from .parallel import fork_pull, one_thread_with_workers
 from .tracking import stage_logger
 
 __all__ = ["run_evaluate", "size_by_precision", "main_interval", "evaluated_methods", "make_record", "summarize_records", "read_records", "eval_pairs", "run_key", "method_prompts",
@@ -133,12 +133,13 @@ def rotated_order(methods: list[str], k: int) -> list[str]:
     return ["ar"] * ("ar" in methods) + rest
 
 
-def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], prompts, categories, saved, paths, keys,
-                         methods, schedulers, sampling, progress) -> None:
-    """One worker's share: build and warm up every decoder it needs, then for each benchmark run the
-    missing (prompt, method) generations, methods interleaved prompt by prompt, compare each with
-    ``ar``'s output and rewrite that method's records after every prompt (an interruption loses at most
-    one prompt's generations)."""
+def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], pulled, prompts, categories, saved, paths,
+                         keys, methods, schedulers, sampling, progress) -> None:
+    """One worker: build and warm up every decoder that ``benchmarks`` (every benchmark with work left)
+    need, then for each benchmark it pulls (``pulled``, shared with the other workers) run the missing
+    (prompt, method) generations, methods interleaved prompt by prompt, compare each with ``ar``'s
+    output and rewrite that method's records after every prompt (an interruption loses at most one
+    prompt's generations)."""
     p, e = cfg.pipeline, cfg.evaluation
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     context = {"runtime": pair.runtime, "middle_runtime": pair.middle_runtime, **engine_info(pair),
@@ -179,7 +180,7 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], promp
         decoders[method] = dec
     for reuse in reuses:
         reuse.forget()  # every decoder's score request is known now; timed prompts are encoded afresh
-    for bench in benchmarks:
+    for bench in pulled:
         records = {m: dict(saved[bench, m]) for m in methods}
         for k, (qid, ids) in enumerate(prompts[bench]):  # methods interleaved prompt by prompt: drift hits all alike
             fresh = [m for m in rotated_order(methods, k) if qid in missing[bench, m]]
@@ -322,13 +323,13 @@ def _evaluate_prompts(cfg: DictConfig, progress=None) -> None:
         units = {b: sum(q not in saved[b, m] for m in methods for q, _ in method_prompts(cfg, m, prompts[b]))
                  for b in todo_benches}
         cost = {b: units[b] * (1 + sum(len(ids) for _, ids in prompts[b]) / 1000) for b in todo_benches}
-        groups = split_jobs(todo_benches, [cost[b] for b in todo_benches], engine_workers(pair, p.workers))
+        workers = min(engine_workers(pair, p.workers), len(todo_benches))
         bar = None
         if progress is None:
-            bar = tqdm(total=sum(units.values()), desc=f"evaluate {pair_name} ({len(groups)} worker(s))", file=sys.stderr)
-        fork_map(lambda group, report: _evaluate_benchmarks(cfg, pair, pair_name, group, prompts, categories, saved,
-                                                            paths, keys, methods, schedulers, sampling, report),
-                 groups, progress or bar.update)
+            bar = tqdm(total=sum(units.values()), desc=f"evaluate {pair_name} ({workers} worker(s))", file=sys.stderr)
+        fork_pull(lambda pull, report: _evaluate_benchmarks(cfg, pair, pair_name, todo_benches, pull, prompts, categories,
+                                                            saved, paths, keys, methods, schedulers, sampling, report),
+                  todo_benches, [cost[b] for b in todo_benches], workers, progress or bar.update)
         if bar is not None:
             bar.close()
         del pair

@@ -1,7 +1,8 @@
 """Independent jobs on both cores, sharing the models loaded once (fork after loading).
 
-A stage loads a pair once in the parent process, then forks one worker per group of jobs (one thread
-each, as every measurement here runs). Forked workers share the parent's weight memory copy-on-write,
+A stage loads a pair once in the parent process, then forks its workers (one thread each, as every
+measurement here runs); collect and evaluate workers pull their jobs from one shared queue
+(:func:`fork_pull`), so a worker that finishes early takes the next job instead of idling. Forked workers share the parent's weight memory copy-on-write,
 and the packed weights are never written, so two workers cost the memory of one pair (a 1.5B pair in
 ``float32_packed`` is ~17 GB: two copies would not fit a 24 GB machine). Each worker builds its own
 decoders (their KV caches are per process) and writes its own artifact files; progress comes back to
@@ -19,9 +20,9 @@ import functools
 import multiprocessing as mp
 import queue
 import traceback
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
-__all__ = ["fork_map", "split_jobs", "one_thread_if_forking", "one_thread_with_workers"]
+__all__ = ["fork_map", "fork_pull", "split_jobs", "one_thread_if_forking", "one_thread_with_workers"]
 
 
 @contextlib.contextmanager
@@ -63,6 +64,32 @@ def split_jobs(jobs: Sequence, weights: Sequence[float], groups: int) -> list[li
         out[i].append(job)
         load[i] += w
     return [g for g in out if g]
+
+
+def fork_pull(fn: Callable[[Iterator, Callable[[int], None]], None], jobs: Sequence, weights: Sequence[float],
+              workers: int, progress: Callable[[int], None] | None = None) -> None:
+    """Run ``fn(pull, report)`` in ``workers`` forked workers that share one queue of ``jobs``, heaviest
+    first: ``pull`` yields the next job whenever its worker is free, so a job that takes longer than its
+    weight said holds up one worker, not a share fixed in advance (split by estimated weights, an
+    evaluation's four slowest benchmarks once fell to one worker, which ran alone for 20 minutes while
+    the other core sat idle). One worker or one job: in this process."""
+    order = [job for job, _ in sorted(zip(jobs, weights), key=lambda jw: -jw[1])]
+    workers = max(1, min(int(workers), len(order)))
+    if workers <= 1:
+        if order:
+            fn(iter(order), progress or (lambda n: None))
+        return
+    todo = mp.get_context("fork").Queue()
+    for i in range(len(order)):
+        todo.put(i)  # indices: the jobs themselves reach the workers through the fork
+    for _ in range(workers):
+        todo.put(-1)  # one stop mark per worker
+
+    def pull() -> Iterator:
+        while (i := todo.get()) >= 0:
+            yield order[i]
+
+    fork_map(lambda _, report: fn(pull(), report), [[i] for i in range(workers)], progress)
 
 
 def _worker(fn: Callable, group: list, q) -> None:
