@@ -58,7 +58,7 @@ from treegraft.models import ModelLoadError, TokenizerMismatchError
 from treegraft.drafters import NGramConfig, NGramDrafter
 from treegraft.machine import cpu_info, cpu_line
 from treegraft.models import load_model, load_pair_from_settings, load_tokenizer
-from treegraft.pipeline.parallel import fork_map, one_thread_if_forking, split_jobs
+from treegraft.pipeline.parallel import fork_pull, one_thread_if_forking
 from treegraft.models.runtime import RUNTIMES, RuntimeUnavailable, forward_curve, runtime_unavailable
 from treegraft.scheduling import FixedScheduler
 
@@ -318,11 +318,11 @@ def run(cfg: DictConfig) -> None:
             atomic_write_json({"key": key, "results": results}, runs_dir / f"prompt_{i:03d}.json")
             report(1)
 
-    # both cores: prompts split across forked workers (one thread each) sharing the loaded pair;
+    # both cores: forked workers (one thread each) sharing the loaded pair pull prompts from one queue;
     # each worker still runs every method on a prompt before the next one
-    groups = split_jobs(todo, [1 + len(prompts[i][2]) / 256 for i in todo], int(cfg.workers))
-    with tqdm(total=len(todo), desc=f"prompts (every method, {len(groups)} worker(s))", file=sys.stderr) as bar:
-        fork_map(work, groups, progress=bar.update)
+    workers = min(int(cfg.workers), len(todo))
+    with tqdm(total=len(todo), desc=f"prompts (every method, {workers} worker(s))", file=sys.stderr) as bar:
+        fork_pull(work, todo, [1 + len(prompts[i][2]) / 256 for i in todo], workers, progress=bar.update)
     results: dict[str, list] = {m: [] for m in methods}
     for i in range(len(prompts)):
         record = saved(i)

@@ -655,7 +655,7 @@ def test_forked_workers_run_kernels_after_the_parent_ran_multithreaded_ones(tmp_
     the parent already ran threaded kernels (the CI hang of the forked collect/evaluate tests)."""
     import torch
 
-    from treegraft.pipeline.parallel import fork_map, split_jobs
+    from treegraft.pipeline.parallel import fork_map
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -670,7 +670,7 @@ def test_forked_workers_run_kernels_after_the_parent_ran_multithreaded_ones(tmp_
                 report(1)
 
         seen = []
-        fork_map(work, split_jobs([0, 1, 2, 3], [1, 1, 1, 1], 2), progress=seen.append)
+        fork_map(work, [[0, 2], [1, 3]], progress=seen.append)
     finally:
         torch.set_num_threads(threads)
     assert sum(seen) == 4

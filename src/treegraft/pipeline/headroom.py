@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from ..models.runtime import curve_at
 from ..stats import bootstrap_weights, interval, ratio_of_sums
 
 __all__ = ["POLICIES", "NGramIndex", "curve_cost", "replay", "fit_rates", "load_ar_records", "headroom"]
@@ -38,11 +39,13 @@ class NGramIndex:
     """Continuations of every n-gram (n = 1..max_n) of a growing sequence: n-gram -> Counter of the
     tokens that followed it, plus the position each was last seen at (for ties)."""
 
-    def __init__(self, max_n: int):
+    def __init__(self, max_n: int, tokens: list[int] = ()):
         self.max_n = max_n
         self.seq: list[int] = []
         self.next: dict[tuple, Counter] = {}
         self.last: dict[tuple, dict[int, int]] = {}
+        for token in tokens:
+            self.append(token)
 
     def append(self, token: int) -> None:
         seq = self.seq
@@ -85,14 +88,12 @@ class NGramIndex:
 
 
 def curve_cost(curve: dict[int, float], n: int) -> float:
-    """t(n) from a measured curve, linear between measured sizes (extrapolated from the last two)."""
+    """t(n) from a measured curve: the planner's :func:`curve_at` within it, extrapolated from the last two
+    sizes past it (a curve measured to fewer rows than the deepest draft must not price them flat)."""
     sizes = sorted(curve)
-    if n in curve:
-        return curve[n]
-    lo = max([s for s in sizes if s < n], default=sizes[0])
-    hi = min([s for s in sizes if s > n], default=None)
-    if hi is None:
-        lo, hi = sizes[-2], sizes[-1]
+    if n <= sizes[-1] or len(sizes) < 2:
+        return curve_at(curve, n)
+    lo, hi = sizes[-2], sizes[-1]
     return curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo)
 
 
@@ -107,9 +108,7 @@ def replay(prompt: list[int], output: list[int], policy: str, costs: list[float]
            rates: dict | None = None) -> tuple[int, float]:
     """(steps, cost in units of t(1)) of decoding ``output`` after ``prompt`` under ``policy``; ``costs[k]``
     = t(k + 1) / t(1) for k drafted rows."""
-    index = NGramIndex(max_n)
-    for token in prompt:
-        index.append(token)
+    index = NGramIndex(max_n, prompt)
     steps, cost, i = 0, 0.0, 0
     while i < len(output):
         if policy == "hindsight_any":
@@ -145,9 +144,7 @@ def fit_rates(examples: list[tuple[list[int], list[int]]], max_n: int, max_depth
     """P(a chain token of this kind is accepted | its parent was), counted at every position of every output."""
     hits, seen = Counter(), Counter()
     for prompt, output in examples:
-        index = NGramIndex(max_n)
-        for token in prompt:
-            index.append(token)
+        index = NGramIndex(max_n, prompt)
         for i, token in enumerate(output):
             chain = index.chain(max_depth)
             a = _accepted([t for t, _ in chain], output[i:])

@@ -1,10 +1,10 @@
 """Independent jobs on both cores, sharing the models loaded once (fork after loading).
 
 A stage loads a pair once in the parent process, then forks its workers (one thread each, as every
-measurement here runs); collect and evaluate workers pull their jobs from one shared queue
-(:func:`fork_pull`), so a worker that finishes early takes the next job instead of idling. Forked workers share the parent's weight memory copy-on-write,
-and the packed weights are never written, so two workers cost the memory of one pair (a 1.5B pair in
-``float32_packed`` is ~17 GB: two copies would not fit a 24 GB machine). Each worker builds its own
+measurement here runs); the workers pull their jobs from one shared queue (:func:`fork_pull`), so a
+worker that finishes early takes the next job instead of idling. Forked workers share the parent's
+weight memory copy-on-write, and the packed weights are never written, so two workers cost the memory
+of one pair (a 1.5B pair in ``float32_packed`` is ~17 GB: two copies would not fit a 24 GB machine). Each worker builds its own
 decoders (their KV caches are per process) and writes its own artifact files; progress comes back to
 the parent through a queue, so one progress bar covers every worker.
 
@@ -22,7 +22,7 @@ import queue
 import traceback
 from typing import Callable, Iterator, Sequence
 
-__all__ = ["fork_map", "fork_pull", "split_jobs", "one_thread_if_forking", "one_thread_with_workers"]
+__all__ = ["fork_map", "fork_pull", "one_thread_if_forking", "one_thread_with_workers"]
 
 
 @contextlib.contextmanager
@@ -52,18 +52,6 @@ def one_thread_with_workers(stage: Callable) -> Callable:
             return stage(cfg, *args, **kwargs)
 
     return wrapper
-
-
-def split_jobs(jobs: Sequence, weights: Sequence[float], groups: int) -> list[list]:
-    """Split ``jobs`` into ``groups`` lists of similar total weight (longest first, onto the lightest)."""
-    groups = max(1, min(groups, len(jobs)))
-    out: list[list] = [[] for _ in range(groups)]
-    load = [0.0] * groups
-    for job, w in sorted(zip(jobs, weights), key=lambda jw: -jw[1]):
-        i = load.index(min(load))
-        out[i].append(job)
-        load[i] += w
-    return [g for g in out if g]
 
 
 def fork_pull(fn: Callable[[Iterator, Callable[[int], None]], None], jobs: Sequence, weights: Sequence[float],
