@@ -159,6 +159,18 @@ def apply_cost_model(rows: pd.DataFrame, model: dict) -> np.ndarray:
     return np.maximum(lat, 1e-6)
 
 
+# the cost model's terms that scale with a target forward and with a middle-drafter forward
+TARGET_TERMS = ("verified_nodes", "verify_curve")
+MIDDLE_TERMS = ("middle_calls", "middle_tokens")
+
+
+def cost_model_parts(rows: pd.DataFrame, model: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(target part, middle part) of :func:`apply_cost_model`'s latency, in seconds [len(rows)] each."""
+    x, names = _cost_matrix(rows, model.get("verify_curve"))
+    part = lambda terms: x @ np.array([model[f"{k}_s"] if k in terms else 0.0 for k in names])
+    return part(TARGET_TERMS), part(MIDDLE_TERMS)
+
+
 PAIR_SETTINGS = ("prompts_per_benchmark", "enumerate_every", "max_enumerated_turns")
 
 
@@ -192,6 +204,9 @@ def load_rows(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str]
     """All collected rows of ``pairs`` x ``benchmarks``, with the ``latency_s`` label set.
 
     ``latency_label``: ``measured`` (wall times) or ``cost_model`` (each pair's fitted per-call costs).
+    ``latency_target_s`` and ``latency_middle_s`` are the parts of ``latency_s`` that scale with the
+    target's and the middle drafter's forward cost (verification, middle calls), for relabelling a turn
+    under other timings.
     """
     if latency_label not in ("measured", "cost_model"):
         raise ValueError(f"latency_label must be measured or cost_model, got {latency_label!r}")
@@ -211,9 +226,12 @@ def load_rows(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str]
             path = Path(collect_dir) / pair / "cost_model.json"
             if not path.exists():
                 raise MissingArtifactError(f"missing {path}: rerun `collect` (make collect EXPERIMENT={experiment})")
-            df["latency_s"] = apply_cost_model(df, json.loads(path.read_text()))
+            model = json.loads(path.read_text())
+            df["latency_s"] = apply_cost_model(df, model)
+            df["latency_target_s"], df["latency_middle_s"] = cost_model_parts(df, model)
         else:
             df["latency_s"] = df["latency_measured_s"]
+            df["latency_target_s"], df["latency_middle_s"] = df["verify_s"], df["middle_s"]
         frames.append(df)
     return pd.concat(frames, ignore_index=True)
 

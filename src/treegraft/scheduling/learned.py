@@ -1,4 +1,7 @@
-"""The margin teacher, the distilled margin predictor and the two learned policies (the scheduler's distillation).
+"""The open-loop margin teacher, the distilled margin predictor and the two learned policies (the scheduler's distillation).
+
+The default teacher is the closed-loop one (:mod:`treegraft.scheduling.closed_loop`); the paper's
+open-loop teacher, kept as ``scheduler.teacher=open_loop`` and as the direct planner's rule:
 
 teacher margin(state at step t) = max over the 2^(D-t) future suffixes of T(call now, suffix)
                                 - max over the same suffixes of T(skip now, suffix),
