@@ -150,25 +150,27 @@ def fit_cost_model(rows: pd.DataFrame, curve: dict | None = None) -> dict:
             "verify_curve": {str(k): float(v) for k, v in curve.items()} if curve else None}
 
 
-def apply_cost_model(rows: pd.DataFrame, model: dict) -> np.ndarray:
-    if model["intercept_s"] < 0:
-        raise ValueError(f"cost_model.json has a negative intercept_s ({model['intercept_s']:.4f} s; expected >= 0): "
-                         "it was fitted before the intercept was constrained; rerun collect to refit it")
-    x, names = _cost_matrix(rows, model.get("verify_curve"))
-    lat = np.full(len(rows), model["intercept_s"]) + x @ np.array([model[f"{k}_s"] for k in names])
-    return np.maximum(lat, 1e-6)
-
-
 # the cost model's terms that scale with a target forward and with a middle-drafter forward
 TARGET_TERMS = ("verified_nodes", "verify_curve")
 MIDDLE_TERMS = ("middle_calls", "middle_tokens")
 
 
-def cost_model_parts(rows: pd.DataFrame, model: dict) -> tuple[np.ndarray, np.ndarray]:
-    """(target part, middle part) of :func:`apply_cost_model`'s latency, in seconds [len(rows)] each."""
+def cost_model_latency(rows: pd.DataFrame, model: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(latency, its target part, its middle part), seconds [len(rows)] each, from one cost matrix (the
+    verification curve is read row by row: build it once)."""
+    if model["intercept_s"] < 0:
+        raise ValueError(f"cost_model.json has a negative intercept_s ({model['intercept_s']:.4f} s; expected >= 0): "
+                         "it was fitted before the intercept was constrained; rerun collect to refit it")
     x, names = _cost_matrix(rows, model.get("verify_curve"))
-    part = lambda terms: x @ np.array([model[f"{k}_s"] if k in terms else 0.0 for k in names])
-    return part(TARGET_TERMS), part(MIDDLE_TERMS)
+    coef = np.array([model[f"{k}_s"] for k in names])
+    part = lambda terms: x @ np.where([k in terms for k in names], coef, 0.0)
+    lat = np.maximum(np.full(len(rows), model["intercept_s"]) + x @ coef, 1e-6)
+    return lat, part(TARGET_TERMS), part(MIDDLE_TERMS)
+
+
+def apply_cost_model(rows: pd.DataFrame, model: dict) -> np.ndarray:
+    """The cost model's latency of every row, in seconds [len(rows)]."""
+    return cost_model_latency(rows, model)[0]
 
 
 PAIR_SETTINGS = ("prompts_per_benchmark", "enumerate_every", "max_enumerated_turns")
@@ -226,9 +228,7 @@ def load_rows(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str]
             path = Path(collect_dir) / pair / "cost_model.json"
             if not path.exists():
                 raise MissingArtifactError(f"missing {path}: rerun `collect` (make collect EXPERIMENT={experiment})")
-            model = json.loads(path.read_text())
-            df["latency_s"] = apply_cost_model(df, model)
-            df["latency_target_s"], df["latency_middle_s"] = cost_model_parts(df, model)
+            df["latency_s"], df["latency_target_s"], df["latency_middle_s"] = cost_model_latency(df, json.loads(path.read_text()))
         else:
             df["latency_s"] = df["latency_measured_s"]
             df["latency_target_s"], df["latency_middle_s"] = df["verify_s"], df["middle_s"]

@@ -124,7 +124,10 @@ def fit_closed_loop_teacher(rows: pd.DataFrame, depth: int, signals: Sequence[st
         parts = {k: first.pivot_table(index=TURN_KEYS, columns="schedule", values=k).reindex(index=turns, columns=tokens.columns)
                  .to_numpy(np.float64) for k in ("latency_target_s", "latency_middle_s")}
         scaled = timing_pairs(timing_scales)
-    copies = []  # (states per prefix, tau [turns, schedules] normalised by each turn's best)
+    # per copy: states per prefix, tau [turns, schedules] normalised by each turn's best, and for every
+    # prefix the column of the schedule each turn ends with when the rules fitted so far decide the rest
+    # (a whole schedule ends with itself); backward induction extends the table one step at a time
+    copies = []
     for a, b in scaled:
         if (a, b) == (1.0, 1.0):
             tau = tok / lat
@@ -132,38 +135,24 @@ def fit_closed_loop_teacher(rows: pd.DataFrame, depth: int, signals: Sequence[st
             moved = lat + (a - 1.0) * parts["latency_target_s"] + (b - 1.0) * parts["latency_middle_s"]
             tau = tok / np.maximum(moved, 1e-6)
         x = {p: rescale_timings(v, names, a, b) for p, v in base_x.items()}
-        copies.append((x, tau / tau.max(axis=1, keepdims=True)))
+        ends = {p: np.full(len(turns), col[p]) for p in _prefixes(depth)}
+        copies.append((x, tau / tau.max(axis=1, keepdims=True), ends))
 
     models: dict[int, HistGradientBoostingRegressor] = {}
-
-    def finish(x: dict, prefix: str, start: int) -> list[str]:
-        """The schedules the fitted rules of steps ``start``..D produce after ``prefix`` on every turn."""
-        done = [prefix] * len(turns)
-        for t in range(start, depth + 1):
-            keys = sorted(set(done))
-            nxt = list(done)
-            for p in keys:  # turns that share a prefix share its state table
-                rows_p = [i for i, d in enumerate(done) if d == p]
-                act = models[t].predict(x[p][rows_p]) > 0
-                for i, a in zip(rows_p, act):
-                    nxt[i] = p + ("1" if a else "0")
-            done = nxt
-        return done
-
     n = np.arange(len(turns))
     for t in range(depth, 0, -1):
         xs, ys = [], []
-        for x, tau in copies:
+        for x, tau, ends in copies:
             for prefix in _prefixes(t - 1):
-                value = {}
-                for action in "01":
-                    full = finish(x, prefix + action, t + 1)
-                    value[action] = tau[n, [col[s] for s in full]]
                 xs.append(x[prefix])
-                ys.append(value["1"] - value["0"])
+                ys.append(tau[n, ends[prefix + "1"]] - tau[n, ends[prefix + "0"]])
         model = HistGradientBoostingRegressor(
             max_iter=cfg.max_iter, learning_rate=cfg.learning_rate, max_leaf_nodes=cfg.max_leaf_nodes,
             min_samples_leaf=cfg.min_samples_leaf, l2_regularization=cfg.l2_regularization,
             early_stopping=False, random_state=cfg.seed)
         models[t] = model.fit(np.vstack(xs), np.concatenate(ys))
+        for x, _, ends in copies:
+            for prefix in _prefixes(t - 1):
+                call = models[t].predict(x[prefix]) > 0
+                ends[prefix] = np.where(call, ends[prefix + "1"], ends[prefix + "0"])
     return ClosedLoopTeacher(models, depth, signals)
