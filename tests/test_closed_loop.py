@@ -4,7 +4,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from treegraft.pipeline.distill import distill_predictor, make_teacher
+from treegraft.pipeline.distill import (DISTILLED, TEACHERS, choose_teacher, distill_predictor, make_teacher, name_students,
+                                       student_name)
 from treegraft.scheduling.closed_loop import ClosedLoopConfig, fit_closed_loop_teacher
 from treegraft.scheduling.features import state_names
 from treegraft.scheduling.offline import evaluate_policies, follow_policy, state_rows, turn_throughputs
@@ -87,3 +88,22 @@ def test_the_closed_loop_teacher_needs_every_schedule_of_a_turn_and_a_known_kind
         fit_closed_loop_teacher(rows[rows["schedule"] != "11"], DEPTH, ["node_count"], ClosedLoopConfig())
     with pytest.raises(ValueError, match="closed_loop or open_loop, got 'loopy'"):
         make_teacher("loopy", rows, None, ["node_count"], ClosedLoopConfig(), [])
+
+
+def test_teacher_auto_deploys_the_student_with_the_higher_held_out_share_and_marks_the_other():
+    # two held-out turns; the oracle sums to 20 tokens/s, the closed-loop student to 14 (70%), the open-loop one to 16 (80%)
+    turns = pd.DataFrame({
+        "policy": ["oracle", "oracle", student_name("closed_loop"), student_name("closed_loop"),
+                   student_name("open_loop"), student_name("open_loop"), "best fixed"],
+        "tau": [10.0, 10.0, 4.0, 10.0, 8.0, 8.0, 9.0],
+    })
+    kind, shares = choose_teacher(turns, TEACHERS)
+    assert kind == "open_loop"
+    assert shares == pytest.approx({"closed_loop": 70.0, "open_loop": 80.0})
+    named = name_students(turns, TEACHERS, kind)["policy"].tolist()
+    assert named.count(DISTILLED) == 2 and named.count("distilled, closed-loop teacher (not deployed)") == 2
+    assert named[-1] == "best fixed" and named[:2] == ["oracle", "oracle"]
+    # a tie goes to the first kind listed (the closed loop), and one kind is its own choice
+    tie = turns.assign(tau=[10.0, 10.0, 8.0, 8.0, 8.0, 8.0, 9.0])
+    assert choose_teacher(tie, TEACHERS)[0] == "closed_loop"
+    assert choose_teacher(turns, ["closed_loop"]) == ("closed_loop", pytest.approx({"closed_loop": 70.0}))
