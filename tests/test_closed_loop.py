@@ -8,7 +8,9 @@ from treegraft.pipeline.distill import (DISTILLED, TEACHERS, choose_teacher, dis
                                        student_name)
 from treegraft.scheduling.closed_loop import ClosedLoopConfig, fit_closed_loop_teacher
 from treegraft.scheduling.features import state_names
-from treegraft.scheduling.offline import evaluate_policies, follow_policy, state_rows, turn_throughputs
+from treegraft.scheduling.offline import (best_fixed_by_middle_cost, best_fixed_schedule, evaluate_policies, follow_policy,
+                                         state_rows, turn_throughputs)
+from treegraft.scheduling.policy import CostAwareFixedScheduler, StepState
 from treegraft.scheduling.value import MLPConfig
 
 DEPTH = 2
@@ -107,3 +109,22 @@ def test_teacher_auto_deploys_the_student_with_the_higher_held_out_share_and_mar
     tie = turns.assign(tau=[10.0, 10.0, 8.0, 8.0, 8.0, 8.0, 9.0])
     assert choose_teacher(tie, TEACHERS)[0] == "closed_loop"
     assert choose_teacher(turns, ["closed_loop"]) == ("closed_loop", pytest.approx({"closed_loop": 70.0}))
+
+
+def test_the_fixed_fallback_is_re_picked_at_the_decoding_pairs_middle_cost():
+    """On the probe turns 11 is the best fixed schedule at the collected costs; with a middle forward 8x dearer
+    (a self-draft pair) 00 is: the fallback reads the decoding pair's t_mid / t_tgt and picks accordingly."""
+    rows = _probe_rows(turns=40)
+    table = best_fixed_by_middle_cost(rows)
+    assert table["1"] == best_fixed_schedule(rows) == "11" and table["8"] == "00"
+    policy = CostAwareFixedScheduler(table, ref_mid_over_tgt=0.2, default="11")
+
+    def state(step, t_mid):
+        return StepState(step=step, depth=DEPTH, history=[], prompt_len=9, t_tgt_ms=100.0, t_mid_ms=t_mid)
+
+    assert [policy.decide(state(k, 20.0)) for k in (1, 2)] == [1, 1]  # the fitted pair's ratio
+    assert [policy.decide(state(k, 160.0)) for k in (1, 2)] == [0, 0]  # 8x dearer
+    assert policy.policy_name == "fixed:00"
+    assert [policy.decide(state(k, 20.0)) for k in (1, 2)] == [1, 1]  # one object, two pairs: each keeps its own
+    with pytest.raises(ValueError, match="positive reference ratio"):
+        CostAwareFixedScheduler(table, 0.0, "11")

@@ -236,7 +236,7 @@ def test_treegraft_deploys_the_best_fixed_schedule_where_the_distilled_scheduler
     returns that policy."""
     from treegraft.decoding.factory import load_learned_scheduler
     from treegraft.scheduling.learned import LearnedScheduler, fixed_fallback
-    from treegraft.scheduling.policy import FixedScheduler, StepState
+    from treegraft.scheduling.policy import CostAwareFixedScheduler, FixedScheduler, StepState
 
     assert fixed_fallback(2.5, "00000") is None and fixed_fallback(None, "00000") is None
     assert fixed_fallback(-13.3, "01000") == {"policy": "fixed", "schedule": "01000",
@@ -254,7 +254,7 @@ def test_treegraft_deploys_the_best_fixed_schedule_where_the_distilled_scheduler
                 if c["pair"] == "all pairs" and c["contrast"].endswith("- best fixed"))
     loaded = load_learned_scheduler("treegraft", out / "pipeline" / "smoke")
     if diff <= 0:
-        assert distill_info["deployed"]["policy"] == "fixed" and isinstance(loaded, FixedScheduler)
+        assert distill_info["deployed"]["policy"] == "fixed" and isinstance(loaded, CostAwareFixedScheduler)
         assert loaded.policy_name == "fixed:" + distill_info["deployed"]["schedule"]
     else:
         assert distill_info["deployed"] == {"policy": "distilled"} and isinstance(loaded, LearnedScheduler)

@@ -63,8 +63,10 @@ def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: fl
         predictor = MarginPredictor.load(weights.with_suffix(""))
         fallback = predictor.meta.get("fallback")
         if fallback:  # distill found the distilled scheduler below the best fixed schedule on held-out prompts
-            from ..scheduling.policy import FixedScheduler
+            from ..scheduling.policy import CostAwareFixedScheduler, FixedScheduler
 
+            if fallback.get("by_middle_cost") and fallback.get("ref_mid_over_tgt"):  # re-picked at the pair's measured costs
+                return CostAwareFixedScheduler(fallback["by_middle_cost"], fallback["ref_mid_over_tgt"], fallback["schedule"])
             return FixedScheduler(fallback["schedule"])
         return LearnedScheduler(predictor, predictor.meta.get("threshold", 0.0) if threshold is None else threshold)
     if not weights.exists():

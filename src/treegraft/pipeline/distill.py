@@ -24,7 +24,7 @@ from rich.console import Console
 from ..scheduling.closed_loop import ClosedLoopConfig, ClosedLoopTeacher, fit_closed_loop_teacher, rescale_timings, timing_pairs
 from ..scheduling.features import RUNTIME_NAMES, state_names
 from ..scheduling.learned import DirectPlanner, LearnedScheduler, MarginPredictor, fixed_fallback, plan_margins
-from ..scheduling.offline import TURN_KEYS, best_fixed_schedule, policy_turns, state_rows, summarize_policies
+from ..scheduling.offline import TURN_KEYS, best_fixed_by_middle_cost, best_fixed_schedule, policy_turns, state_rows, summarize_policies
 from ..scheduling.policy import StepState
 from ..scheduling.signals import SIGNAL_NAMES
 from ..scheduling.value import ValueSystem, fit_value_system, grouped_folds
@@ -256,6 +256,10 @@ def run_distill(cfg: DictConfig) -> dict:
         pooled = contrasts[(contrasts["pair"] == "all pairs") & contrasts["contrast"].str.endswith("- best fixed")]
         fallback = fixed_fallback(float(pooled["points_of_oracle"].iloc[0]),
                                   best_fixed_schedule(rows))
+        if fallback and "latency_middle_s" in rows:
+            # re-picked online at the decoding pair's t_mid / t_tgt (a self-draft pair: calls 3x dearer, 00000 wins)
+            fallback["by_middle_cost"] = best_fixed_by_middle_cost(rows)
+            fallback["ref_mid_over_tgt"] = float(np.median(rows["t_mid_ms"] / rows["t_tgt_ms"]))
     predictor.save(out_dir / "scheduler", {"pairs": fit_pairs(cfg), "threshold": float(s.threshold), "fallback": fallback})
     table = table.merge(shares.drop(columns="turns"), on=["pair", "policy"], how="left")
     cols = ["pair", "policy", "mean_tau", "pct_of_oracle", "pct_of_oracle_lo", "pct_of_oracle_hi"]

@@ -22,7 +22,7 @@ import pandas as pd
 
 from .features import state_names
 
-__all__ = ["TURN_KEYS", "turn_outcomes", "turn_throughputs", "best_fixed_schedule", "state_rows", "follow_policy", "policy_turns",
+__all__ = ["TURN_KEYS", "turn_outcomes", "turn_throughputs", "best_fixed_schedule", "best_fixed_by_middle_cost", "MIDDLE_COST_GRID", "state_rows", "follow_policy", "policy_turns",
            "summarize_policies", "evaluate_policies"]
 
 TURN_KEYS = ["report", "question_id", "turn"]
@@ -47,6 +47,22 @@ def turn_throughputs(rows: pd.DataFrame) -> pd.DataFrame:
 def best_fixed_schedule(rows: pd.DataFrame) -> str:
     """The one schedule with the best mean throughput over the turns of ``rows``."""
     return str(turn_throughputs(rows).mean(axis=0).idxmax())
+
+
+MIDDLE_COST_GRID = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
+
+
+def best_fixed_by_middle_cost(rows: pd.DataFrame, grid: Sequence[float] = MIDDLE_COST_GRID) -> dict[str, str]:
+    """{b: the best fixed schedule (mean throughput over the turns of ``rows``) when each schedule's middle-forward
+    latency (``latency_middle_s``) costs b times what it cost in the collect}: the fixed fallback re-picked for a
+    pair whose middle drafter is dearer or cheaper against its target than the fitted pair's."""
+    first = rows[rows["step"] == 1].assign(tokens=lambda d: d["accepted"] + 1)
+    table = first.pivot_table(index=TURN_KEYS, columns="schedule", values=["tokens", "latency_s", "latency_middle_s"])
+    out = {}
+    for b in grid:
+        seconds = (table["latency_s"] + (b - 1.0) * table["latency_middle_s"]).clip(lower=1e-9)
+        out[f"{b:g}"] = str((table["tokens"] / seconds).mean(axis=0).idxmax())
+    return out
 
 
 def state_rows(rows: pd.DataFrame) -> pd.DataFrame:

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-__all__ = ["StepState", "Scheduler", "FixedScheduler", "runtime_features", "history_features"]
+__all__ = ["StepState", "Scheduler", "FixedScheduler", "CostAwareFixedScheduler", "runtime_features", "history_features"]
 
 
 @dataclass
@@ -55,3 +55,35 @@ class FixedScheduler:
 
     def decide(self, state: StepState) -> int:
         return self.actions[state.step - 1]
+
+
+class CostAwareFixedScheduler:
+    """The fixed fallback, re-picked for the pair it decodes: ``by_middle_cost`` maps b (how many times dearer a
+    middle forward is, against a target step, than on the fitted pair, whose t_mid / t_tgt is ``ref_mid_over_tgt``)
+    to the best fixed schedule on the fitted turns with their middle-forward latency scaled by b; the first state's
+    measured t_mid / t_tgt picks the nearest b (in log scale), once per measured context."""
+
+    needs_signals = False
+
+    def __init__(self, by_middle_cost: dict[str, str], ref_mid_over_tgt: float, default: str):
+        if not by_middle_cost or ref_mid_over_tgt <= 0:
+            raise ValueError(f"a cost-aware fallback needs schedules by middle cost and a positive reference ratio, "
+                             f"got {by_middle_cost!r}, {ref_mid_over_tgt!r}")
+        self.grid = sorted((float(b), s) for b, s in by_middle_cost.items())
+        self.ref = float(ref_mid_over_tgt)
+        self.fixed = FixedScheduler(default)
+        self.chosen: dict[tuple[float, float], FixedScheduler] = {}  # per measured context: one object may serve two pairs
+        self.policy_name = "fixed:" + default
+
+    def schedule_for(self, t_tgt_ms: float, t_mid_ms: float) -> str:
+        if not (t_tgt_ms > 0 and t_mid_ms > 0):
+            return "".join(map(str, self.fixed.actions))
+        b = (t_mid_ms / t_tgt_ms) / self.ref
+        return min(self.grid, key=lambda g: abs(math.log(g[0]) - math.log(b)))[1]
+
+    def decide(self, state: StepState) -> int:
+        key = (state.t_tgt_ms, state.t_mid_ms)
+        if key not in self.chosen:
+            self.chosen[key] = FixedScheduler(self.schedule_for(*key))
+        self.policy_name = self.chosen[key].policy_name
+        return self.chosen[key].decide(state)
