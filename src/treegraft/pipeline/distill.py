@@ -90,8 +90,7 @@ def choose_teacher(turns: pd.DataFrame, kinds: Sequence[str]) -> tuple[str, dict
     table reports (all tokens/s summed over turns / the oracle's), so the choice is the table's ranking."""
     oracle = float(turns.loc[turns["policy"] == "oracle", "tau"].sum())
     shares = {k: 100 * float(turns.loc[turns["policy"] == student_name(k), "tau"].sum()) / oracle for k in kinds}
-    best = max(kinds, key=lambda k: (shares[k], -list(kinds).index(k)))
-    return best, shares
+    return max(kinds, key=shares.__getitem__), shares  # max keeps the first of equals
 
 
 def name_students(frame: pd.DataFrame, kinds: Sequence[str], chosen: str) -> pd.DataFrame:

@@ -37,7 +37,7 @@ import pandas as pd
 from sklearn.ensemble import HistGradientBoostingRegressor
 
 from .features import state_names
-from .offline import TURN_KEYS, turn_outcomes, state_rows
+from .offline import TURN_KEYS, repriced_latency, turn_outcomes, state_rows
 
 __all__ = ["ClosedLoopConfig", "ClosedLoopTeacher", "fit_closed_loop_teacher", "rescale_timings", "timing_pairs"]
 
@@ -118,7 +118,7 @@ def fit_closed_loop_teacher(rows: pd.DataFrame, depth: int, signals: Sequence[st
               for n in range(depth) for p in _prefixes(n)}
     tok = tokens.to_numpy(np.float64)
     lat = seconds.to_numpy(np.float64)
-    scaled = [(1.0, 1.0)]
+    scaled, parts = [(1.0, 1.0)], {}
     if timing_scales:
         first = rows[rows["step"] == 1]
         parts = {k: first.pivot_table(index=TURN_KEYS, columns="schedule", values=k).reindex(index=turns, columns=tokens.columns)
@@ -129,11 +129,7 @@ def fit_closed_loop_teacher(rows: pd.DataFrame, depth: int, signals: Sequence[st
     # (a whole schedule ends with itself); backward induction extends the table one step at a time
     copies = []
     for a, b in scaled:
-        if (a, b) == (1.0, 1.0):
-            tau = tok / lat
-        else:
-            moved = lat + (a - 1.0) * parts["latency_target_s"] + (b - 1.0) * parts["latency_middle_s"]
-            tau = tok / np.maximum(moved, 1e-6)
+        tau = tok / repriced_latency(lat, parts.get("latency_target_s"), parts.get("latency_middle_s"), a, b)
         x = {p: rescale_timings(v, names, a, b) for p, v in base_x.items()}
         ends = {p: np.full(len(turns), col[p]) for p in _prefixes(depth)}
         copies.append((x, tau / tau.max(axis=1, keepdims=True), ends))

@@ -22,7 +22,7 @@ import pandas as pd
 
 from .features import state_names
 
-__all__ = ["TURN_KEYS", "turn_outcomes", "turn_throughputs", "best_fixed_schedule", "best_fixed_by_middle_cost", "MIDDLE_COST_GRID", "state_rows", "follow_policy", "policy_turns",
+__all__ = ["TURN_KEYS", "turn_outcomes", "turn_throughputs", "best_fixed_schedule", "best_fixed_by_middle_cost", "MIDDLE_COST_GRID", "repriced_latency", "state_rows", "follow_policy", "policy_turns",
            "summarize_policies", "evaluate_policies"]
 
 TURN_KEYS = ["report", "question_id", "turn"]
@@ -31,38 +31,42 @@ TURN_KEYS = ["report", "question_id", "turn"]
 BatchPolicy = Callable[[np.ndarray, int], np.ndarray]
 
 
-def turn_outcomes(rows: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """([turns x schedules] tokens AL + 1, the same of latencies), indexed by TURN_KEYS."""
+def repriced_latency(latency, target_part, middle_part, target_cost: float = 1.0, middle_cost: float = 1.0):
+    """``latency`` with its target-forward part costing ``target_cost`` times and its middle-forward part
+    ``middle_cost`` times what they cost when measured (floored at 1 us); unchanged at (1, 1). Arrays or frames."""
+    if target_cost == 1.0 and middle_cost == 1.0:
+        return latency
+    return np.maximum(latency + (target_cost - 1.0) * target_part + (middle_cost - 1.0) * middle_part, 1e-6)
+
+
+def turn_outcomes(rows: pd.DataFrame, middle_cost: float = 1.0) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """([turns x schedules] tokens AL + 1, the same of latencies), indexed by TURN_KEYS; with ``middle_cost``,
+    each latency's middle-forward part (``latency_middle_s``) costs that many times what it cost."""
     first = rows[rows["step"] == 1].assign(tokens=lambda d: d["accepted"] + 1)
+    if middle_cost != 1.0:
+        first = first.assign(latency_s=repriced_latency(first["latency_s"], 0.0, first["latency_middle_s"], 1.0, middle_cost))
     table = first.pivot_table(index=TURN_KEYS, columns="schedule", values=["tokens", "latency_s"])
     return table["tokens"], table["latency_s"]
 
 
-def turn_throughputs(rows: pd.DataFrame) -> pd.DataFrame:
-    """[turns x schedules] throughput (AL + 1) / latency, indexed by TURN_KEYS."""
-    tokens, seconds = turn_outcomes(rows)
+def turn_throughputs(rows: pd.DataFrame, middle_cost: float = 1.0) -> pd.DataFrame:
+    """[turns x schedules] throughput (AL + 1) / latency, indexed by TURN_KEYS (``middle_cost``: :func:`turn_outcomes`)."""
+    tokens, seconds = turn_outcomes(rows, middle_cost)
     return tokens / seconds
 
 
-def best_fixed_schedule(rows: pd.DataFrame) -> str:
-    """The one schedule with the best mean throughput over the turns of ``rows``."""
-    return str(turn_throughputs(rows).mean(axis=0).idxmax())
+def best_fixed_schedule(rows: pd.DataFrame, middle_cost: float = 1.0) -> str:
+    """The one schedule with the best mean throughput over the turns of ``rows`` (``middle_cost``: :func:`turn_outcomes`)."""
+    return str(turn_throughputs(rows, middle_cost).mean(axis=0).idxmax())
 
 
 MIDDLE_COST_GRID = (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
 
 
 def best_fixed_by_middle_cost(rows: pd.DataFrame, grid: Sequence[float] = MIDDLE_COST_GRID) -> dict[str, str]:
-    """{b: the best fixed schedule (mean throughput over the turns of ``rows``) when each schedule's middle-forward
-    latency (``latency_middle_s``) costs b times what it cost in the collect}: the fixed fallback re-picked for a
-    pair whose middle drafter is dearer or cheaper against its target than the fitted pair's."""
-    first = rows[rows["step"] == 1].assign(tokens=lambda d: d["accepted"] + 1)
-    table = first.pivot_table(index=TURN_KEYS, columns="schedule", values=["tokens", "latency_s", "latency_middle_s"])
-    out = {}
-    for b in grid:
-        seconds = (table["latency_s"] + (b - 1.0) * table["latency_middle_s"]).clip(lower=1e-9)
-        out[f"{b:g}"] = str((table["tokens"] / seconds).mean(axis=0).idxmax())
-    return out
+    """{b: :func:`best_fixed_schedule` with middle forwards b times dearer than collected}: the fixed fallback
+    re-picked for a pair whose middle drafter is dearer or cheaper against its target than the fitted pair's."""
+    return {f"{b:g}": best_fixed_schedule(rows, b) for b in grid}
 
 
 def state_rows(rows: pd.DataFrame) -> pd.DataFrame:

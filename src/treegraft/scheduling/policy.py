@@ -71,13 +71,13 @@ class CostAwareFixedScheduler:
                              f"got {by_middle_cost!r}, {ref_mid_over_tgt!r}")
         self.grid = sorted((float(b), s) for b, s in by_middle_cost.items())
         self.ref = float(ref_mid_over_tgt)
-        self.fixed = FixedScheduler(default)
+        self.default = FixedScheduler(default)  # (validates it) where a state carries no timings
         self.chosen: dict[tuple[float, float], FixedScheduler] = {}  # per measured context: one object may serve two pairs
-        self.policy_name = "fixed:" + default
+        self.policy_name = self.default.policy_name
 
     def schedule_for(self, t_tgt_ms: float, t_mid_ms: float) -> str:
         if not (t_tgt_ms > 0 and t_mid_ms > 0):
-            return "".join(map(str, self.fixed.actions))
+            return self.default.policy_name.removeprefix("fixed:")
         b = (t_mid_ms / t_tgt_ms) / self.ref
         return min(self.grid, key=lambda g: abs(math.log(g[0]) - math.log(b)))[1]
 
