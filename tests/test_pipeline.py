@@ -385,6 +385,42 @@ def test_evaluate_records_every_method_with_zero_greedy_mismatches(smoke):
     assert {"turns", "new_tokens", "wall_time", "accept_lengths"} <= set(rec["choices"][0])
 
 
+def test_outputs_that_differ_from_ar_are_checked_for_a_near_tie_after_the_workers(tmp_path, monkeypatch):
+    """A pending mismatch (bfloat16 runtime) is decided once, with one float32 target loaded in the
+    stage's own process, from the records on disk; with nothing pending no model is loaded."""
+    import torch
+    from omegaconf import OmegaConf
+
+    import treegraft.pipeline.evaluate as evaluate_mod
+    from treegraft.models import PairSpec, load_model
+
+    cfg = OmegaConf.create({"pipeline": {"device": "cpu"}, "paths": {"models_dir": str(tmp_path)},
+                            "evaluation": {"tie_tolerance": 1e9}})
+    spec = PairSpec(name="tiny", target="tiny-random:0", middle="tiny-random:0")
+    prompt, ref = [5, 9, 13, 21], [7, 7, 30, 31, 2]
+    folder = tmp_path / "tiny" / "gsm8k"
+    folder.mkdir(parents=True)
+    rec = {"question_id": 3, "prompt_ids": prompt}
+    (folder / "ar.jsonl").write_text(json.dumps({**rec, "tokens": ref}) + "\n")
+    same = {**rec, "tokens": ref, "matches_ar": True, "mismatch_explained": True}
+    pending = {**rec, "tokens": [7, 7, 44, 1, 2], "matches_ar": False, "mismatch_explained": None, "mismatch_position": 2}
+    (folder / "all_small.jsonl").write_text(json.dumps(same) + "\n")
+    loads = []
+    monkeypatch.setattr(evaluate_mod, "load_model", lambda *a, **k: loads.append(a) or load_model(*a, **k))
+    paths = [folder / "ar.jsonl", folder / "all_small.jsonl", folder / "treegraft.jsonl"]
+    assert evaluate_mod.explain_mismatches(cfg, spec, paths) == 0 and loads == []  # nothing pending: no model
+    (folder / "treegraft.jsonl").write_text(json.dumps(pending) + "\n")
+    assert evaluate_mod.explain_mismatches(cfg, spec, paths) == 1 and len(loads) == 1
+    out = json.loads((folder / "treegraft.jsonl").read_text())
+    assert out["matches_ar"] is False and out["mismatch_explained"] is True and out["mismatch_position"] == 2
+    with torch.inference_mode():  # the gap is the float32 target's top-2 logit gap at the first difference
+        logits = load_model("tiny-random:0", "float32")(torch.tensor([prompt + ref[:2]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    assert out["mismatch_top2_gap"] == pytest.approx(float(top2[0] - top2[1]), rel=1e-5)
+    cfg.evaluation.tie_tolerance = 0.0  # decided records stay decided: a rerun loads nothing
+    assert evaluate_mod.explain_mismatches(cfg, spec, paths) == 0 and len(loads) == 1
+
+
 def test_tables_and_figures_from_saved_records_alone(smoke, tmp_path):
     _, out, *_ = smoke
     exp = out / "pipeline" / "smoke"

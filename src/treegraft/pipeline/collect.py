@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..machine import cpu_info
+from ..models.runtime.memory import return_freed_memory
 from .enumeration import TurnEnumeration, enumerate_turn
 from ..scheduling.features import ALL_FEATURES, state_names, state_vector, suffix_names, suffix_vector
 from .artifacts import MissingArtifactError, atomic_write_json, atomic_write_parquet
@@ -368,6 +369,7 @@ def run_collect(cfg, progress=None) -> pd.DataFrame:
             console.print(f"{pair_name}: every prompt already collected, skipped (no model loaded)")
         else:
             _collect_pair(cfg, pair_name, out_dir, console, progress)
+            return_freed_memory()  # the pair's heap pages, before the next pair or stage loads its own
         pair_rows = load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name)
         # refitted on every run (seconds), so a resumed collect never keeps a model fitted by older code
         curve = json.loads((out_dir / pair_name / "runtime.json").read_text()).get("verify_curve")

@@ -9,7 +9,7 @@ from torch import nn
 
 from .kernels import avx512_kernels
 from .linears import Int4Block, Int4Linear, PackedLinear, RowInt8Linear, int4_supported_shape, quantize_int4_rtn
-from .memory import release_file_mappings, return_freed_memory
+from .memory import FilePages, release_file_mappings, return_freed_memory
 from .names import RuntimeUnavailable, runtime_unavailable
 from .timing import bf16_crossover, int4_crossover
 
@@ -52,6 +52,13 @@ def apply_runtime(
     if reason:
         raise RuntimeUnavailable(reason)
     head = model.get_output_embeddings()
+    pages = FilePages()
+
+    def swap(parent: nn.Module, name: str, linear: nn.Linear, new: nn.Module) -> None:
+        setattr(parent, name, new)
+        if linear is not head:  # the original weight is gone for good: its checkpoint pages need not wait
+            pages.drop(linear.weight)  # for the whole mapping to close (see FilePages)
+
     if runtime == "float32":
         model.float()
     elif runtime == "bfloat16":
@@ -68,11 +75,11 @@ def apply_runtime(
         model.treegraft_bf16_max_rows = above
         for parent, name, _ in _linears(model):
             linear = getattr(parent, name)
-            setattr(parent, name, PackedLinear.from_linear(linear, dtype, keep_weight=linear is head, onednn_above=above))
+            swap(parent, name, linear, PackedLinear.from_linear(linear, dtype, keep_weight=linear is head, onednn_above=above))
     elif runtime == "int8":
         for parent, name, _ in _linears(model):
             linear = getattr(parent, name)
-            setattr(parent, name, RowInt8Linear.from_linear(linear, keep_weight=linear is head))
+            swap(parent, name, linear, RowInt8Linear.from_linear(linear, keep_weight=linear is head))
     else:  # int4
         swapped: list[Int4Linear] = []
         for parent, name, full in _linears(model):
@@ -85,10 +92,10 @@ def apply_runtime(
             else:
                 block = None
             if block is None:
-                setattr(parent, name, PackedLinear.from_linear(linear, keep_weight=linear is head))
+                swap(parent, name, linear, PackedLinear.from_linear(linear, keep_weight=linear is head))
             else:
                 module = Int4Linear(block, linear.bias, max_rows=None)
-                setattr(parent, name, module)
+                swap(parent, name, linear, module)
                 swapped.append(module)
         if swapped:
             if int4_max_rows == "auto":

@@ -7,12 +7,13 @@ import ctypes
 import ctypes.util
 import functools
 import gc
+import mmap
 from pathlib import Path
 
 import torch
 from torch import nn
 
-__all__ = ["release_file_mappings", "return_freed_memory"]
+__all__ = ["FilePages", "release_file_mappings", "return_freed_memory"]
 
 
 def _file_mapped_ranges() -> list[tuple[int, int]]:
@@ -72,6 +73,47 @@ def release_file_mappings(model: nn.Module) -> int:
                     setattr(module, name, copy_of(value))
     return sum(t.untyped_storage().nbytes() for t in copies.values())
 
+
+MADV_DONTNEED = 4  # Linux
+
+
+class FilePages:
+    """Drops the resident checkpoint pages under tensors that a runtime has just packed away.
+
+    While ``apply_runtime`` packs a float32 model linear by linear, the file pages each original weight
+    was read from stay resident until the whole mapping closes at the end: packing Qwen 1.5B to
+    ``bfloat16_packed`` peaked at 16.65 GB for 8.2 GB kept. ``drop(weight)`` hands the whole pages inside
+    ``weight``'s bytes back at once (``madvise(MADV_DONTNEED)``), so the peak is the packed copies plus
+    one linear. Only tensors lying wholly inside one file-backed mapping are touched: such pages are
+    clean copies of the file and would be read from it again if anything touched them (an anonymous
+    page would be zeroed instead, so those are never dropped). No /proc/self/maps or no libc: a no-op."""
+
+    def __init__(self):
+        self.ranges = _file_mapped_ranges()
+        self.dropped = 0  # bytes
+        self._madvise = None
+        if self.ranges:
+            try:
+                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+                self._madvise = libc.madvise
+                self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            except (OSError, AttributeError):
+                self.ranges = []
+
+    def drop(self, t: torch.Tensor | None) -> int:
+        """Release the whole pages inside ``t``'s bytes if they are file-mapped; returns the bytes released."""
+        if (t is None or not self.ranges or t.layout != torch.strided or t.device.type != "cpu" or t.is_mkldnn
+                or not t.is_contiguous()):
+            return 0
+        start, size = t.data_ptr(), t.numel() * t.element_size()  # the tensor's own bytes, not its storage's
+        if not any(lo <= start and start + size <= hi for lo, hi in self.ranges):
+            return 0
+        page = mmap.PAGESIZE
+        first, last = -(-start // page) * page, (start + size) // page * page
+        if last <= first or self._madvise(first, last - first, MADV_DONTNEED) != 0:
+            return 0
+        self.dropped += last - first
+        return last - first
 
 
 @functools.cache
