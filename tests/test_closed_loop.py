@@ -126,5 +126,9 @@ def test_the_fixed_fallback_is_re_picked_at_the_decoding_pairs_middle_cost():
     assert [policy.decide(state(k, 160.0)) for k in (1, 2)] == [0, 0]  # 8x dearer
     assert policy.policy_name == "fixed:00"
     assert [policy.decide(state(k, 20.0)) for k in (1, 2)] == [1, 1]  # one object, two pairs: each keeps its own
+    # between grid points b rounds up (a call is where a transfer error costs): 2.2 is nearer 2 (11) but takes 3's 00
+    assert table["2"] == "11" and table["3"] == "00"
+    assert policy.schedule_for(100.0, 20.0 * 2.2) == "00" and policy.schedule_for(100.0, 20.0 * 1.9) == "11"
+    assert policy.schedule_for(100.0, 20.0) == table["1"] and policy.schedule_for(100.0, 20.0 * 20) == table["8"]
     with pytest.raises(ValueError, match="positive reference ratio"):
         CostAwareFixedScheduler(table, 0.0, "11")

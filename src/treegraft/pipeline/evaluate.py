@@ -174,8 +174,11 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], pulle
                 dec.warm_up(warm_ids, int(p.warmup_tokens), repeats=int(p.warmup_repeats))
             dec.t_tgt_ms *= scales.get("t_tgt", 1.0)
             dec.t_mid_ms *= scales.get("t_mid", 1.0)
-            contexts[method] = {"t_tgt_ms": dec.t_tgt_ms, "t_mid_ms": dec.t_mid_ms,
-                                "scheduler_policy": getattr(schedulers.get(base), "policy_name", None)}
+            sched = schedulers.get(base)
+            policy = getattr(sched, "policy_name", None)
+            if hasattr(sched, "schedule_for"):  # the cost-aware fallback: the schedule this context picks
+                policy = f"fixed:{sched.schedule_for(dec.t_tgt_ms, dec.t_mid_ms)}"
+            contexts[method] = {"t_tgt_ms": dec.t_tgt_ms, "t_mid_ms": dec.t_mid_ms, "scheduler_policy": policy}
         else:
             dec.generate(warm_ids, int(p.warmup_tokens))  # warm-up, not scored
         decoders[method] = dec
