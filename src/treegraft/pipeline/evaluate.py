@@ -175,10 +175,10 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], pulle
             dec.t_tgt_ms *= scales.get("t_tgt", 1.0)
             dec.t_mid_ms *= scales.get("t_mid", 1.0)
             sched = schedulers.get(base)
-            policy = getattr(sched, "policy_name", None)
-            if hasattr(sched, "schedule_for"):  # the cost-aware fallback: the schedule this context picks
-                policy = f"fixed:{sched.schedule_for(dec.t_tgt_ms, dec.t_mid_ms)}"
-            contexts[method] = {"t_tgt_ms": dec.t_tgt_ms, "t_mid_ms": dec.t_mid_ms, "scheduler_policy": policy}
+            if hasattr(sched, "for_context"):  # the cost-aware fallback: the schedule this context picks
+                sched = sched.for_context(dec.t_tgt_ms, dec.t_mid_ms)
+            contexts[method] = {"t_tgt_ms": dec.t_tgt_ms, "t_mid_ms": dec.t_mid_ms,
+                                "scheduler_policy": getattr(sched, "policy_name", None)}
         else:
             dec.generate(warm_ids, int(p.warmup_tokens))  # warm-up, not scored
         decoders[method] = dec
@@ -364,9 +364,13 @@ def explain_mismatches(cfg: DictConfig, spec, paths: list[Path], console=None) -
         return 0
     target = load_model(spec.target, "float32", cfg.pipeline.device, cfg.paths.models_dir)
     decided = 0
+    references: dict[Path, dict] = {}  # benchmark folder -> ar's records by question id, read once
     for path, records in pending.items():
-        ar_path = path.parent / "ar.jsonl"
-        reference = {r["question_id"]: r for r in map(json.loads, ar_path.read_text().splitlines())} if ar_path.exists() else {}
+        if path.parent not in references:
+            ar_path = path.parent / "ar.jsonl"
+            references[path.parent] = ({r["question_id"]: r for r in map(json.loads, ar_path.read_text().splitlines())}
+                                       if ar_path.exists() else {})
+        reference = references[path.parent]
         for r in records:
             ref = reference.get(r["question_id"])
             if r.get("matches_ar") is not False or r.get("mismatch_explained") is not None or ref is None:

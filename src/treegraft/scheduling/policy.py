@@ -82,13 +82,18 @@ class CostAwareFixedScheduler:
 
     def schedule_for(self, t_tgt_ms: float, t_mid_ms: float) -> str:
         if not (t_tgt_ms > 0 and t_mid_ms > 0):
-            return self.default.policy_name.removeprefix("fixed:")
+            return "".join(map(str, self.default.actions))
         b = (t_mid_ms / t_tgt_ms) / self.ref
         return next((schedule for g, schedule in self.grid if g >= b * (1 - 1e-9)), self.grid[-1][1])
 
-    def decide(self, state: StepState) -> int:
-        key = (state.t_tgt_ms, state.t_mid_ms)
+    def for_context(self, t_tgt_ms: float, t_mid_ms: float) -> FixedScheduler:
+        """The fixed schedule this measured context decodes with (what :meth:`decide` follows)."""
+        key = (t_tgt_ms, t_mid_ms)
         if key not in self.chosen:
             self.chosen[key] = FixedScheduler(self.schedule_for(*key))
-        self.policy_name = self.chosen[key].policy_name
-        return self.chosen[key].decide(state)
+        return self.chosen[key]
+
+    def decide(self, state: StepState) -> int:
+        chosen = self.for_context(state.t_tgt_ms, state.t_mid_ms)
+        self.policy_name = chosen.policy_name
+        return chosen.decide(state)

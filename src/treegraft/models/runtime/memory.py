@@ -91,14 +91,11 @@ class FilePages:
     def __init__(self):
         self.ranges = _file_mapped_ranges()
         self.dropped = 0  # bytes
-        self._madvise = None
-        if self.ranges:
-            try:
-                libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-                self._madvise = libc.madvise
-                self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            except (OSError, AttributeError):
-                self.ranges = []
+        self._madvise = getattr(_libc(), "madvise", None)
+        if self._madvise is None:
+            self.ranges = []
+        else:
+            self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
     def drop(self, t: torch.Tensor | None) -> int:
         """Release the whole pages inside ``t``'s bytes if they are file-mapped; returns the bytes released."""
@@ -117,11 +114,16 @@ class FilePages:
 
 
 @functools.cache
-def _libc_malloc_trim():
+def _libc():
+    """The C library, or None where it cannot be loaded."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
         return None
+
+
+def _libc_malloc_trim():
+    return getattr(_libc(), "malloc_trim", None)  # not glibc: nothing to trim
 
 
 def return_freed_memory() -> None:
