@@ -232,8 +232,8 @@ def test_an_input_constant_in_training_cannot_move_the_prediction():
 
 def test_treegraft_deploys_the_best_fixed_schedule_where_the_distilled_scheduler_lost_offline(smoke):
     """distill's check: a distilled scheduler that does not beat the best fixed schedule on held-out prompts
-    (below it, or tied with it) is not deployed; the saved scheduler says which policy runs, and the loader
-    returns that policy."""
+    with the difference's CI above 0 (below it, tied with it, or ahead by less than the CI carries) is not
+    deployed; the saved scheduler says which policy runs, and the loader returns that policy."""
     from treegraft.decoding.factory import load_learned_scheduler
     from treegraft.scheduling.learned import LearnedScheduler, fixed_fallback
     from treegraft.scheduling.policy import CostAwareFixedScheduler, FixedScheduler, StepState
@@ -243,6 +243,13 @@ def test_treegraft_deploys_the_best_fixed_schedule_where_the_distilled_scheduler
                                               "distilled_minus_best_fixed_points": -13.3}
     assert fixed_fallback(0.0, "00000") == {"policy": "fixed", "schedule": "00000",
                                             "distilled_minus_best_fixed_points": 0.0}  # a tie is no evidence
+    # with a CI, its lower end decides: a lead of +0.7 points at [-3.8, +5.4] deploys the fixed schedule
+    assert fixed_fallback(0.7, "00000", ci_low=-3.8) == {"policy": "fixed", "schedule": "00000",
+                                                         "distilled_minus_best_fixed_points": 0.7,
+                                                         "distilled_minus_best_fixed_points_lo": -3.8}
+    assert fixed_fallback(3.1, "00000", ci_low=0.0)["schedule"] == "00000"  # a CI touching 0 does not carry it
+    assert fixed_fallback(3.1, "00000", ci_low=1.8) is None
+    assert fixed_fallback(3.1, "00000", ci_low=float("nan"))["distilled_minus_best_fixed_points_lo"] is None
     policy = FixedScheduler("01000")
     assert [policy.decide(StepState(step=k, depth=5, history=[], prompt_len=9, t_tgt_ms=1.0, t_mid_ms=1.0))
             for k in range(1, 6)] == [0, 1, 0, 0, 0]
@@ -250,10 +257,10 @@ def test_treegraft_deploys_the_best_fixed_schedule_where_the_distilled_scheduler
         FixedScheduler("01x00")
 
     cfg, out, *_, distill_info = smoke
-    diff = next(c["points_of_oracle"] for c in distill_info["contrasts"]
-                if c["pair"] == "all pairs" and c["contrast"].endswith("- best fixed"))
+    diff_lo = next(c["points_lo"] for c in distill_info["contrasts"]
+                   if c["pair"] == "all pairs" and c["contrast"].endswith("- best fixed"))
     loaded = load_learned_scheduler("treegraft", out / "pipeline" / "smoke")
-    if diff <= 0:
+    if not diff_lo > 0:  # NaN: too few smoke prompts for a CI, no evidence
         assert distill_info["deployed"]["policy"] == "fixed" and isinstance(loaded, CostAwareFixedScheduler)
         assert loaded.policy_name == "fixed:" + distill_info["deployed"]["schedule"]
     else:

@@ -249,12 +249,13 @@ def run_distill(cfg: DictConfig) -> dict:
     shares, contrasts = offline_prompt_intervals(
         turn_table, int(p.bootstrap_resamples), seed=0,
         contrasts=[(DISTILLED, "best fixed"), (DISTILLED, PLANNER), (DISTILLED, "all-skip (All-Small)")])
-    # deploy the distilled scheduler only where it beats the best fixed schedule on held-out prompts (a tie deploys the fixed one)
+    # deploy the distilled scheduler only where it beats the best fixed schedule on held-out prompts with the
+    # difference's CI above 0 (a tie, or a lead the CI does not carry, deploys the fixed one)
     fallback = None
     if s.get("fallback_to_fixed", True) and not contrasts.empty:
         pooled = contrasts[(contrasts["pair"] == "all pairs") & contrasts["contrast"].str.endswith("- best fixed")]
-        fallback = fixed_fallback(float(pooled["points_of_oracle"].iloc[0]),
-                                  best_fixed_schedule(rows))
+        fallback = fixed_fallback(float(pooled["points_of_oracle"].iloc[0]), best_fixed_schedule(rows),
+                                  ci_low=float(pooled["points_lo"].iloc[0]))
         if fallback and "latency_middle_s" in rows:
             # re-picked online at the decoding pair's t_mid / t_tgt (a self-draft pair: calls 3x dearer, 00000 wins)
             fallback["by_middle_cost"] = best_fixed_by_middle_cost(rows)
@@ -290,9 +291,11 @@ def run_distill(cfg: DictConfig) -> dict:
     if not contrasts.empty:
         print_table(contrasts, "offline differences, points of the oracle (95% CI over prompts)", console)
     if fallback:
+        lo = fallback.get("distilled_minus_best_fixed_points_lo")
         console.print(f"[bold]treegraft deploys the fixed schedule {fallback['schedule']}[/]: the distilled scheduler does not "
-                      f"beat the best fixed schedule on held-out prompts (distilled - best fixed = "
-                      f"{fallback['distilled_minus_best_fixed_points']:+.1f} points of the oracle; scheduler.fallback_to_fixed)")
+                      f"beat the best fixed schedule on held-out prompts with the CI above 0 (distilled - best fixed = "
+                      f"{fallback['distilled_minus_best_fixed_points']:+.1f} points of the oracle, CI lower end "
+                      f"{'n/a' if lo is None else format(lo, '+.1f')}; scheduler.fallback_to_fixed)")
     log = stage_logger(cfg, "distill")
     metrics = {k: v for k, v in info.items() if isinstance(v, (int, float))}
     for _, r in shares.iterrows():
