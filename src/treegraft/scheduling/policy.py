@@ -51,7 +51,8 @@ class FixedScheduler:
         if not len(actions) or any(str(a) not in ("0", "1") for a in actions):
             raise ValueError(f"a fixed schedule is 0/1 actions, one per step; got {actions!r}")
         self.actions = [int(a) for a in actions]
-        self.policy_name = "fixed:" + "".join(map(str, self.actions))
+        self.schedule = "".join(map(str, self.actions))
+        self.policy_name = "fixed:" + self.schedule
 
     def decide(self, state: StepState) -> int:
         return self.actions[state.step - 1]
@@ -82,7 +83,7 @@ class CostAwareFixedScheduler:
 
     def schedule_for(self, t_tgt_ms: float, t_mid_ms: float) -> str:
         if not (t_tgt_ms > 0 and t_mid_ms > 0):
-            return "".join(map(str, self.default.actions))
+            return self.default.schedule
         b = (t_mid_ms / t_tgt_ms) / self.ref
         return next((schedule for g, schedule in self.grid if g >= b * (1 - 1e-9)), self.grid[-1][1])
 

@@ -91,11 +91,9 @@ class FilePages:
     def __init__(self):
         self.ranges = _file_mapped_ranges()
         self.dropped = 0  # bytes
-        self._madvise = getattr(_libc(), "madvise", None)
+        self._madvise = _libc_madvise()
         if self._madvise is None:
             self.ranges = []
-        else:
-            self._madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 
     def drop(self, t: torch.Tensor | None) -> int:
         """Release the whole pages inside ``t``'s bytes if they are file-mapped; returns the bytes released."""
@@ -120,6 +118,14 @@ def _libc():
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
+
+
+@functools.cache
+def _libc_madvise():
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is not None:
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
 
 
 def _libc_malloc_trim():
