@@ -10,7 +10,7 @@ from treegraft.decoding import AutoregressiveDecoder, SamplingConfig, TreeConfig
 from treegraft.decoding.budget import AcceptanceModel, BudgetPlanner
 from treegraft.decoding.factory import build_decoder
 from treegraft.decoding.tree_decoder import METHOD_PRESETS, auto_shape
-from treegraft.drafters.middle import TokenLogProbs
+from treegraft.drafters.middle import TokenLogProbs, argmax_scores, scores, topk
 from treegraft.drafters.vocab import SubsetHead, VocabSubset, frequent_tokens
 from treegraft.models import PairSpec, build_tiny_tokenizer, load_pair
 from treegraft.tree import SMALL, DraftTree, prune_order, prune_to_budget
@@ -243,10 +243,23 @@ def test_vocab_subset_and_head_equal_a_restricted_softmax():
     h = torch.randn(2, 8)
     full = h @ weight.T
     torch.testing.assert_close(head.log_softmax(h), torch.log_softmax(full[:, subset.ids], -1))
-    lp = TokenLogProbs(head.log_softmax(h)[0], subset.ids, subset.pos_of)
+    logp = head.log_softmax(h)
+    lp = TokenLogProbs(logp, 0, subset.ids, subset.pos_of)
     values, tokens = lp.topk(2)
     assert tokens[0] == lp.argmax() and values[0] == pytest.approx(lp.score(tokens[0]))
-    assert lp.score(2) == pytest.approx(float(head.log_softmax(h)[0].min()))  # outside the subset: the floor
+    assert lp.score(2) == pytest.approx(float(logp[0].min()))  # outside the subset: the floor
+    # the batched readers answer for rows of several matrices at once, in the items' order
+    other = TokenLogProbs(logp, 1, subset.ids, subset.pos_of)
+    alone = TokenLogProbs(torch.log_softmax(full, -1)[1])  # a full-vocabulary row of another matrix
+    assert scores([(other, 30), (alone, 30), (lp, 2)]) == pytest.approx(
+        [float(logp[1, 3]), float(torch.log_softmax(full, -1)[1, 30]), float(logp[0].min())])
+    best = topk([alone, other], 3)
+    assert best[0][1] == torch.log_softmax(full, -1)[1].topk(3).indices.tolist()
+    assert best[1][1] == subset.ids[logp[1].topk(3).indices].tolist()
+    assert argmax_scores([other, alone]) == [(best[1][1][0], pytest.approx(best[1][0][0])),
+                                             (best[0][1][0], pytest.approx(best[0][0][0]))]
+    subset.truncate(3)  # back to the base: 30 and 31 leave the set, host and device alike
+    assert subset.id_list == [5, 1, 7] and int(subset.pos_of[30]) == -1 and 30 not in subset.position
 
 
 def test_frequent_tokens_are_deterministic_and_cached(tmp_path):

@@ -65,12 +65,16 @@ def test_kv_caches_equal_a_fresh_forward_after_many_turns(tiny_pair):
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok(PROMPTS[1]).input_ids
     dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="all_mid", budget=20), eos_ids=set())
-    out = dec.generate(ids, 40)
+    final = {}  # the caches as the last turn left them (generate releases them when it returns)
+    out = dec.generate(ids, 40, on_tokens=lambda _: final.update(target=dec.cache, middle=dec.middle.cache,
+                                                                 committed=dec.middle.committed,
+                                                                 pending=len(dec.middle.pending)))
     assert len(out.turns) > 5
+    assert dec.cache is None and dec.middle.cache is None  # released after generate
     context = ids + out.tokens[:-1]  # everything emitted except the last token (the next root)
     for model, cache, tokens in [
-        (target, dec.cache, context),
-        (middle, dec.middle.cache, context[: dec.middle.committed]),
+        (target, final["target"], context),
+        (middle, final["middle"], context[: final["committed"]]),
     ]:
         fresh = new_cache()
         with torch.no_grad():
@@ -80,7 +84,7 @@ def test_kv_caches_equal_a_fresh_forward_after_many_turns(tiny_pair):
             torch.testing.assert_close(got.keys, want.keys, atol=1e-5, rtol=1e-4)
             torch.testing.assert_close(got.values, want.values, atol=1e-5, rtol=1e-4)
     # the middle drafter never holds a rejected token: its committed context is a prefix of the text
-    assert dec.middle.committed + len(dec.middle.pending) == len(context)
+    assert final["committed"] + final["pending"] == len(context)
 
 
 # ---------------------------------------------------------------- sampling

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .devices import device_tensor
+
 __all__ = [
     "new_cache",
     "cache_length",
@@ -45,10 +47,17 @@ def lm_logits(model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
 
 
 def head_weight(model: nn.Module) -> torch.Tensor:
-    """The LM head's dense weight ``[V, H]`` (kept by every runtime for the head: drafters read rows of it)."""
-    weight = getattr(model.get_output_embeddings(), "weight", None)
+    """The LM head's dense weight ``[V, H]`` (kept by every runtime for the head: drafters read rows of it).
+    A head offloaded by accelerate (its weight on the meta device) is read from its hook's weights map."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
     if weight is None:
         raise ValueError(f"{type(model).__name__}'s LM head keeps no dense weight")
+    if weight.device.type == "meta":
+        weights_map = getattr(getattr(head, "_hf_hook", None), "weights_map", None)
+        if weights_map is None:
+            raise ValueError(f"{type(model).__name__}'s LM head is on the meta device and no offload hook holds its weight")
+        weight = weights_map["weight"]
     return weight
 
 
@@ -122,11 +131,15 @@ def keep_cache_positions(cache, prefix: int, tail: list[int]) -> None:
     """
     n = len(tail)
     contiguous = tail == list(range(prefix, prefix + n))
+    index: dict[torch.device, torch.Tensor] = {}  # one copy of the index per device the layers sit on
     for layer in cache.layers:
         if getattr(layer, "keys", None) is None or layer.keys.numel() == 0:
             continue
         if not contiguous:
-            idx = torch.tensor(tail, dtype=torch.long, device=layer.keys.device)
+            device = layer.keys.device
+            idx = index.get(device)
+            if idx is None:
+                idx = index[device] = device_tensor(tail, device)
             layer.keys[..., prefix : prefix + n, :] = layer.keys.index_select(-2, idx)
             layer.values[..., prefix : prefix + n, :] = layer.values.index_select(-2, idx)
         layer.keys = layer.keys[..., : prefix + n, :]

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..devices import Clock, device_tensor, input_device, output_device
 from .sampling import SamplingConfig, sample_from_logits
 
-__all__ = ["GenerationResult", "AutoregressiveDecoder", "eos_token_ids", "validate_prompt", "PromptError", "hold_eos"]
+__all__ = ["GenerationResult", "AutoregressiveDecoder", "eos_token_ids", "validate_prompt", "PromptError", "hold_eos",
+           "hold_eos_rows"]
 
 
 class PromptError(ValueError):
@@ -62,10 +63,17 @@ def hold_eos(logits: torch.Tensor, eos_ids: set[int], position: int, min_new_tok
     """``logits`` [vocab] of the new token at 0-based ``position``, with every EOS id at -inf while
     ``position < min_new_tokens`` (transformers' ``min_new_tokens``: the target's distribution conditioned
     on not stopping yet, so decoding stays exactly the target's). Returns a copy only when it masks."""
-    if position >= min_new_tokens or not eos_ids:
+    return hold_eos_rows(logits[None], eos_ids, [position], min_new_tokens)[0]
+
+
+def hold_eos_rows(logits: torch.Tensor, eos_ids: set[int], positions: list[int], min_new_tokens: int) -> torch.Tensor:
+    """:func:`hold_eos` for a batch: ``logits`` [n, vocab], row i predicting the new token at ``positions[i]``."""
+    rows = [i for i, position in enumerate(positions) if position < min_new_tokens]
+    eos = sorted(i for i in eos_ids if i < logits.shape[-1])
+    if not rows or not eos:
         return logits
     held = logits.clone()
-    held[[i for i in eos_ids if i < held.shape[-1]]] = float("-inf")
+    held[device_tensor(rows, held.device)[:, None], device_tensor(eos, held.device)[None, :]] = float("-inf")
     return held
 
 
@@ -139,14 +147,15 @@ class AutoregressiveDecoder:
         from transformers import DynamicCache
 
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.model)
-        device = next(self.model.parameters()).device
-        generator = make_generator(self.sampling, device)
+        device = input_device(self.model)
+        generator = make_generator(self.sampling, output_device(self.model))
+        clock = Clock.of(self.model)
 
-        start = time.perf_counter()
+        start = clock.now()
         cache = DynamicCache(config=self.model.config)
-        input_ids = torch.tensor([prompt_ids], device=device)
+        input_ids = device_tensor([prompt_ids], device)
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
-        prefill_time = time.perf_counter() - start
+        prefill_time = clock.now() - start
         tokens: list[int] = []
         while True:
             logits = hold_eos(out.logits[0, -1], self.eos_ids, len(tokens), min_new_tokens)
@@ -156,12 +165,8 @@ class AutoregressiveDecoder:
                 on_tokens([token])
             if stop_reason:
                 break
-            out = self.model(
-                input_ids=torch.tensor([[token]], device=device), cache=cache, use_cache=True
-            )
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - start
+            out = self.model(input_ids=device_tensor([[token]], device), cache=cache, use_cache=True)
+        wall = clock.now() - start
         return GenerationResult(
             tokens=tokens, prompt_tokens=len(prompt_ids), wall_time_s=wall, prefill_time_s=prefill_time,
             stop_reason=stop_reason,

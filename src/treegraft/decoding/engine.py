@@ -17,6 +17,7 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from ..devices import Clock, device_tensor, input_device, output_device
 from ..drafters.vocab import SubsetHead, VocabSubset
 from ..model_io import (cache_length, forward_hidden, head_weight, keep_cache_positions, lm_logits, logit_softcap,
                         new_cache, truncate_cache)
@@ -27,16 +28,19 @@ __all__ = ["TreeForward", "TargetEngine", "DraftModel", "TorchTarget", "TorchTre
 
 
 class TreeForward(Protocol):
-    """A verified tree's rows: ``logits(rows)`` gives the float32 target logits [vocab] of each row
-    (row 0 = the root), computed on demand (an engine may compute them all up front)."""
+    """A verified tree's rows: ``logits(rows)`` gives the float32 target logits [len(rows), vocab] of the
+    given rows (row 0 = the root) on the engine's ``head_device``, computed on demand (an engine may
+    compute them all up front)."""
 
-    def logits(self, rows: list[int]) -> list[torch.Tensor]: ...
+    def logits(self, rows: list[int]) -> torch.Tensor: ...
 
 
 class TargetEngine(Protocol):
     """The target model behind the decoder, with its KV cache of the context."""
 
-    device: torch.device
+    device: torch.device  # where token and position ids go
+    head_device: torch.device  # where logits come out (the sampling generator lives there)
+    clock: Clock  # the one clock of every timed region: it waits for the engine's devices
     # seconds the last prefill adds to its own: an encoding of the prompt shared between decoders (llama.cpp's
     # PromptReuse) is charged to each in full; 0 where every prefill encodes its prompt
     prefill_charge_s: float
@@ -65,6 +69,9 @@ class TargetEngine(Protocol):
     def verify_curve(self, cache_dir: str | Path | None, max_size: int) -> dict[int, float]:
         """Seconds of a tree verification by number of rows, measured on this machine (cached)."""
 
+    def release(self) -> None:
+        """Drop the KV cache (and whatever else only one generation needs); the next prefill starts anew."""
+
 
 class DraftModel(Protocol):
     """The middle drafter's engine (:class:`~treegraft.drafters.middle.MiddleDrafter` is the PyTorch one)."""
@@ -87,6 +94,8 @@ class DraftModel(Protocol):
 
     def restore(self, snap: tuple) -> None: ...
 
+    def release(self) -> None: ...
+
 
 class TorchTreeForward:
     """The final hidden rows of a tree forward; the LM head runs on the rows asked for, in one batch."""
@@ -94,8 +103,8 @@ class TorchTreeForward:
     def __init__(self, model: nn.Module, hidden: torch.Tensor):
         self.model, self.hidden = model, hidden
 
-    def logits(self, rows: list[int]) -> list[torch.Tensor]:
-        return list(lm_logits(self.model, self.hidden[rows]))
+    def logits(self, rows: list[int]) -> torch.Tensor:
+        return lm_logits(self.model, self.hidden.index_select(0, device_tensor(rows, self.hidden.device)))
 
 
 class TorchTarget:
@@ -107,7 +116,9 @@ class TorchTarget:
     def __init__(self, model: nn.Module, frequent: Callable[[int, int], torch.Tensor]):
         """``frequent(k, vocab_size)``: the ``k`` most frequent token ids (the prefill's restricted vocabulary)."""
         self.model = model
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)
+        self.head_device = output_device(model)
+        self.clock = Clock.of(model)
         self.cache = None
         self._frequent = frequent
         self._prefill_head: SubsetHead | None = None  # the restricted head, gathered once per engine
@@ -123,34 +134,38 @@ class TorchTarget:
         ctx = prompt_ids[:-1]
         if not ctx:
             return torch.zeros(0, top_m, dtype=torch.long), torch.zeros(0, top_m)
-        toks = torch.tensor(ctx, device=self.device)
-        hidden = forward_hidden(self.model, self.cache, toks, torch.arange(len(ctx), device=self.device), None)
+        device = self.device
+        toks = device_tensor(ctx, device)
+        hidden = forward_hidden(self.model, self.cache, toks, torch.arange(len(ctx), device=device), None)
         head = None
         if vocab:
             weight = head_weight(self.model)
             if self._prefill_head is None:
                 base = self._frequent(int(vocab), weight.shape[0])
-                self._prefill_head = SubsetHead(weight, VocabSubset(base, weight.shape[0]), logit_softcap(self.model))
+                subset = VocabSubset(base, weight.shape[0], self.head_device)
+                self._prefill_head = SubsetHead(weight, subset, logit_softcap(self.model))
             head = self._prefill_head
             head.truncate(min(int(vocab), weight.shape[0]))
             head.add(prompt_ids)
-        ids, lps = [], []
+        parts, k = [], top_m
         for chunk in hidden.split(64):  # bounded memory: [64, V] logits at a time
             logp = torch.log_softmax(lm_logits(self.model, chunk), dim=-1) if head is None else head.log_softmax(chunk)
-            v, i = logp.topk(min(top_m, logp.shape[-1]), dim=-1)
-            ids.append((i if head is None else head.subset.ids[i]).cpu())
-            lps.append(v.cpu())
-        return torch.cat(ids), torch.cat(lps)
+            k = min(top_m, logp.shape[-1])
+            v, i = logp.topk(k, dim=-1)
+            parts.append(torch.cat([(i if head is None else head.subset.ids[i]).double(), v.double()], dim=1))
+        packed = torch.cat(parts).cpu()  # one host read per prompt: ids and log-probabilities (exact in float64)
+        return packed[:, :k].long(), packed[:, k:].float()
 
     def context_len(self) -> int:
         return cache_length(self.cache)
 
     def forward_tree(self, inputs: TreeInputs) -> TorchTreeForward:
-        L, n = self.context_len(), inputs.size
-        allowed = torch.ones(n, L + n, dtype=torch.bool)
-        allowed[:, L:] = inputs.ancestor_mask
-        hidden = forward_hidden(self.model, self.cache, inputs.tokens.to(self.device),
-                                inputs.position_ids.to(self.device), allowed)
+        L, n, device = self.context_len(), inputs.size, self.device
+        # the may-attend matrix built on the device: the whole context, then the tree's ancestor mask
+        allowed = torch.ones(n, L + n, dtype=torch.bool, device=device)
+        allowed[:, L:] = device_tensor(inputs.ancestor_mask, device, torch.bool)
+        hidden = forward_hidden(self.model, self.cache, device_tensor(inputs.token_ids, device),
+                                device_tensor(inputs.positions, device), allowed)
         return TorchTreeForward(self.model, hidden)
 
     def keep(self, context_len: int, rows: list[int]) -> None:
@@ -161,3 +176,9 @@ class TorchTarget:
 
     def verify_curve(self, cache_dir: str | Path | None, max_size: int) -> dict[int, float]:
         return cached_verify_curve(self.model, cache_dir, max_size)
+
+    def release(self) -> None:
+        """Drop the KV cache and the prefill's restricted head (rebuilt by the next prefill: a gather of
+        K rows, milliseconds, against holding K x H float32 per decoder on a GPU)."""
+        self.cache = None
+        self._prefill_head = None

@@ -11,12 +11,12 @@ tokens between the start of its forward and the start of the next (the last step
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..devices import Clock, device_tensor, input_device
 from .autoregressive import GenerationResult, prepare_prompt
 from .sampling import SamplingConfig
 
@@ -39,8 +39,9 @@ class _HFGenerate:
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         """``on_tokens(new)`` receives the tokens of each step as transformers' streamer interface sees them."""
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.target)
-        device = next(self.target.parameters()).device
-        ids = torch.tensor([prompt_ids], device=device)
+        device = input_device(self.target)
+        clock = Clock.of(self.target, getattr(self, "assistant", None))
+        ids = device_tensor([prompt_ids], device)
         sampling = {"do_sample": False}
         if not self.sampling.greedy:
             torch.manual_seed(self.sampling.seed)
@@ -53,7 +54,7 @@ class _HFGenerate:
                 starts.append(int(pos.reshape(-1)[0]))
 
         hook = self.target.register_forward_pre_hook(record, with_kwargs=True)
-        start = time.perf_counter()
+        start = clock.now()
         try:
             out = self.target.generate(
                 ids,
@@ -67,9 +68,7 @@ class _HFGenerate:
             )
         finally:
             hook.remove()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        wall = time.perf_counter() - start
+        wall = clock.now() - start
         tokens = out[0, len(prompt_ids):].tolist()
         stop = "eos" if tokens and tokens[-1] in self.eos_ids else "max_new_tokens"
         return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_ids), wall_time_s=wall,

@@ -20,13 +20,13 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-import time
 from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
+from ..devices import Clock
 from ..drafters.middle import MiddleDrafter
 from ..drafters.ngram import NGramDrafter
 from ..drafters.vocab import frequent_tokens
@@ -34,7 +34,7 @@ from ..model_io import head_weight
 from ..paths import default_cache_dir
 from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
 from ..tree import MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_order, prune_to_budget
-from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, hold_eos, make_generator, prepare_prompt
+from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, hold_eos_rows, make_generator, prepare_prompt
 from .backoff import CallGate
 from .budget import BudgetPlanner
 from .builders import BuildState, TurnPlan, builder_for
@@ -82,6 +82,7 @@ class TreeGraftDecoder:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.engine: TargetEngine = engine or TorchTarget(target, self._frequent)
         self.device = self.engine.device
+        self._frequent_ids: dict[tuple[int, int], torch.Tensor] = {}
         # the middle drafter exists only where it may be called (every method but all_small, whose
         # schedule is all skips; a learned policy may call with any method)
         may_call = scheduler is not None or self.cfg.preset.schedule != "small"
@@ -93,9 +94,11 @@ class TreeGraftDecoder:
         if drafter is None and middle is not None:
             drafter = MiddleDrafter(middle, draft_vocab)
         self.middle: DraftModel | None = drafter if may_call else None
+        # the one clock of every timed region: it waits for the target's and the middle drafter's devices
+        self.clock = Clock([*self.engine.clock.devices, *(self.middle.clock.devices if self.middle is not None else ())])
         self._eager_middle_prefill = eager_middle_prefill
         self.ngram = NGramDrafter(self.cfg.ngram)
-        self.builder = builder_for(self.cfg, self.ngram, self.middle)
+        self.builder = builder_for(self.cfg, self.ngram, self.middle, self.clock)
         self._budget: int | None = None if self.cfg.budget == "auto" else int(self.cfg.budget)
         self.planner: BudgetPlanner | None = None
         self._plan: TurnPlan | None = None  # the current turn's (plan_turn)
@@ -116,9 +119,11 @@ class TreeGraftDecoder:
     def _frequent(self, k: int, vocab_size: int) -> torch.Tensor:
         """The ``k`` most frequent token ids (:func:`~treegraft.drafters.vocab.frequent_tokens`; by id
         without a tokenizer)."""
-        if self.tokenizer is None:
-            return torch.arange(min(k, vocab_size))
-        return frequent_tokens(self.tokenizer, k, vocab_size, self.cache_dir)
+        key = (int(k), int(vocab_size))
+        if key not in self._frequent_ids:  # read from the disk cache once per decoder
+            self._frequent_ids[key] = (torch.arange(min(k, vocab_size)) if self.tokenizer is None
+                                       else frequent_tokens(self.tokenizer, k, vocab_size, self.cache_dir))
+        return self._frequent_ids[key]
 
     @property
     def cache(self):
@@ -246,9 +251,9 @@ class TreeGraftDecoder:
             if self.gate is not None and not self.gate.is_open:
                 stats.backed_off = True
                 return SMALL
-            t0 = time.perf_counter()
+            t0 = self.clock.now()
             action = int(self.scheduler.decide(self.step_state(tree, step, build.done, self.scheduler.needs_signals)))
-            stats.schedule_s += time.perf_counter() - t0
+            stats.schedule_s += self.clock.now() - t0
             return action
 
         self._plan = self.plan_turn()
@@ -264,13 +269,14 @@ class TreeGraftDecoder:
         best-scored descendants likely to be accepted (``LIKELY_ROW_P``) at once, and where the walk
         leaves that chain, the row it reaches together with that row's own likely chain.
         """
+        clock = self.clock
         kept = prune_to_budget(tree, self.budget_for(tree))
-        start = time.perf_counter()
+        start = clock.now()
         L = self.engine.context_len()
         inputs = build_tree_inputs(tree, kept, L)
-        fwd = time.perf_counter()
+        fwd = clock.now()
         forward = self.engine.forward_tree(inputs)
-        stats.target_forward_s += time.perf_counter() - fwd
+        stats.target_forward_s += clock.now() - fwd
         if self.planner is not None:
             acceptance, table = self.planner.acceptance, self.planner.acceptance.table()
 
@@ -278,7 +284,9 @@ class TreeGraftDecoder:
                 return table[acceptance.bin_of(cum)]
         else:
             p_accept = math.exp
-        rows: dict[int, torch.Tensor] = {}
+        logits_of: dict[int, torch.Tensor] = {}
+        argmax_of: dict[int, int] = {}
+        greedy = self.sampling.greedy
 
         def likely_chain(row: int) -> list[int]:
             chain = [row]
@@ -289,28 +297,38 @@ class TreeGraftDecoder:
                 chain.append(best)
             return chain
 
-        def row_logits(row: int) -> torch.Tensor:
-            if row not in rows:
-                t0 = time.perf_counter()
-                batch = [r for r in likely_chain(row) if r not in rows]
-                logits = forward.logits(batch)
-                if self._emitted < self._min_new_tokens:  # a row at depth d predicts new token emitted + d
-                    logits = [hold_eos(x, self.eos_ids, self._emitted + int(inputs.position_ids[r]) - L,
-                                       self._min_new_tokens) for r, x in zip(batch, logits)]
-                rows.update(zip(batch, logits))
-                stats.target_forward_s += time.perf_counter() - t0
-            return rows[row]
+        def fetch(row: int) -> None:
+            """The LM head on ``row`` and its likely chain in one batch; greedy: their argmaxes in one host read."""
+            t0 = clock.now()
+            batch = [r for r in likely_chain(row) if r not in logits_of]
+            logits = forward.logits(batch)
+            if self._emitted < self._min_new_tokens:  # a row at depth d predicts new token emitted + d
+                logits = hold_eos_rows(logits, self.eos_ids, [self._emitted + inputs.positions[r] - L for r in batch],
+                                       self._min_new_tokens)
+            if greedy:
+                argmax_of.update(zip(batch, logits.argmax(dim=-1).tolist()))
+            logits_of.update(zip(batch, logits))
+            stats.target_forward_s += clock.now() - t0
 
-        row_logits(0)
-        if self.sampling.greedy:
-            acc = accept_greedy(inputs, row_logits)
+        def row_logits(row: int) -> torch.Tensor:
+            if row not in logits_of:
+                fetch(row)
+            return logits_of[row]
+
+        def row_argmax(row: int) -> int:
+            if row not in argmax_of:
+                fetch(row)
+            return argmax_of[row]
+
+        if greedy:
+            acc = accept_greedy(inputs, row_argmax, row_logits)
         else:
             def child_order(row: int) -> list[int]:
                 kids = list(inputs.child_rows[row].values())
                 return sorted(kids, key=lambda r: (-tree.cum[inputs.node_ids[r]], inputs.node_ids[r]))
 
             acc = accept_sampling(inputs, row_logits, child_order, self.sampling, generator)
-        stats.verify_s += time.perf_counter() - start
+        stats.verify_s += clock.now() - start
         return inputs, acc
 
     def _catch_up_estimate_s(self, prompt_len: int) -> float:
@@ -329,34 +347,38 @@ class TreeGraftDecoder:
         return self.middle.charged_s if self.middle is not None else 0.0
 
     def _turn(self, root: int, generator, actions: Sequence[int] | None = None) -> tuple[list[int], TurnStats]:
-        turn_start = time.perf_counter()
+        clock = self.clock
+        turn_start = clock.now()
         charged = self._middle_charged()
         stats = TurnStats()
         tree = self.build_tree(root, actions, stats)
         inputs, acc = self.verify_tree(tree, stats, generator)
         budget = inputs.size - 1
-        L = int(inputs.position_ids[0])  # the root sits at the context length
-        start = time.perf_counter()
+        L = inputs.positions[0]  # the root sits at the context length
+        start = clock.now()
         self.engine.keep(L, list(acc.rows))
-        stats.verify_s += time.perf_counter() - start
+        stats.verify_s += clock.now() - start
 
         path_nodes = [inputs.node_ids[r] for r in acc.rows]
         path_tokens = [tree.token[node] for node in path_nodes]
         emitted = path_tokens[1:] + [acc.bonus]
         # n-gram drafter: the context grows by the emitted tokens; the target's top-m at the verified
         # positions (root and accepted nodes) extends its score cache
-        start = time.perf_counter()
+        start = clock.now()
         self.ngram.observe(self.builder.ngram_outcomes(tree, set(inputs.node_ids), path_nodes, emitted,
                                                        self.sampling.greedy))
         self.ngram.append(emitted)
         logp = torch.log_softmax(torch.stack(acc.logits).float(), dim=-1)
-        v, i = logp.topk(self.cfg.ngram.top_m, dim=-1)
+        m = min(self.cfg.ngram.top_m, logp.shape[-1])
+        v, i = logp.topk(m, dim=-1)
+        packed = torch.cat([i.double(), v.double()], dim=1).tolist()  # one host read: ids and log-probabilities
+        top_ids, top_lps = [[int(t) for t in row[:m]] for row in packed], [row[m:] for row in packed]
         if self.cfg.ngram.extend_cache:
-            self.ngram.set_scores(L, i.cpu(), v.cpu())
-        stats.small_s += time.perf_counter() - start
+            self.ngram.set_scores(L, top_ids, top_lps)
+        stats.small_s += clock.now() - start
         if self.middle is not None:
             self.middle.commit(path_nodes, path_tokens)
-        conf = float(v[:, 0].exp().mean())  # the target's top-1 probability at the accepted positions
+        conf = sum(math.exp(row[0]) for row in top_lps) / len(top_lps)  # the target's top-1 probability at the accepted positions
         recent = self.turn_signals
         self.turn_signals = {"recent_al": 0.5 * recent["recent_al"] + 0.5 * acc.accepted,
                              "recent_target_conf": 0.5 * recent["recent_target_conf"] + 0.5 * conf}
@@ -366,7 +388,7 @@ class TreeGraftDecoder:
         stats.accepted, stats.tree_nodes, stats.verified_nodes, stats.budget = acc.accepted, len(tree), budget, budget
         charged = self._middle_charged() - charged  # a shared prompt encoding, charged as if done here
         stats.middle_s += charged
-        stats.turn_s = time.perf_counter() - turn_start + charged
+        stats.turn_s = clock.now() - turn_start + charged
         stats.other_s = stats.turn_s - stats.small_s - stats.middle_s - stats.verify_s
         # what is not a model forward: tree building, n-gram lookups, masks, acceptance, cache compaction
         stats.outside_forward_s = stats.turn_s - stats.target_forward_s - stats.middle_forward_s
@@ -377,6 +399,14 @@ class TreeGraftDecoder:
         return emitted, stats
 
     # ------------------------------------------------------------------ public
+    def release(self) -> None:
+        """Free what only one generation needs: the KV caches and the prefill's restricted head (the
+        next :meth:`generate` rebuilds them); :meth:`generate` calls it at its end, so a decoder kept
+        between prompts holds no cache on the device."""
+        self.engine.release()
+        if self.middle is not None:
+            self.middle.release()
+
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                  before_turn: Callable[[int, int], None] | None = None,
@@ -391,14 +421,15 @@ class TreeGraftDecoder:
         self.budget()
         if self.gate is not None:  # the gate prices a plain step from the verification curve
             self.gate.reset(self._catch_up_estimate_s(len(prompt_ids)), max_new_tokens * self._planner().verify_s(0))
-        generator = make_generator(self.sampling, self.device)
+        generator = make_generator(self.sampling, self.engine.head_device)
         self.prompt_len = len(prompt_ids)
 
-        start = time.perf_counter()
+        clock = self.clock
+        start = clock.now()
         self._prefill(prompt_ids)
         # a prompt encoding shared between decoders (llama.cpp's PromptReuse) counts in full
         start -= self.engine.prefill_charge_s + self._middle_charged()
-        prefill_s = time.perf_counter() - start
+        prefill_s = clock.now() - start
         charged = self._middle_charged()
         root = prompt_ids[-1]
         tokens: list[int] = []
@@ -416,12 +447,12 @@ class TreeGraftDecoder:
             if on_tokens is not None:
                 on_tokens(tokens[before:])
             root = emitted[-1]
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        wall_s = clock.now() - start + self._middle_charged() - charged
+        self.release()
         return GenerationResult(
             tokens=tokens,
             prompt_tokens=len(prompt_ids),
-            wall_time_s=time.perf_counter() - start + self._middle_charged() - charged,
+            wall_time_s=wall_s,
             prefill_time_s=prefill_s,
             stop_reason=stop_reason,
             turns=turns,

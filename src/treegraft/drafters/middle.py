@@ -16,43 +16,120 @@ verification is untouched, so decoding stays lossless.
 
 from __future__ import annotations
 
-import time
+from typing import Sequence
 
 import torch
 from torch import nn
 
+from ..devices import Clock, device_tensor, input_device, output_device
 from ..model_io import (cache_length, forward_hidden, head_weight, keep_cache_positions, lm_logits, logit_softcap,
                         new_cache, truncate_cache)
 from ..tree import DraftTree
 from .vocab import SubsetHead, VocabSubset
 
-__all__ = ["MiddleDrafter", "TokenLogProbs"]
+__all__ = ["MiddleDrafter", "TokenLogProbs", "scores", "topk", "argmax_scores"]
 
 
 class TokenLogProbs:
-    """log q(. | node): over the whole vocabulary (``ids`` None, ``logp`` [V]) or over a subset
-    (``logp`` [S] for the token ids ``ids`` [S]; a token outside scores the subset's minimum)."""
+    """log q(. | node): row ``row`` of a log-probability matrix ``matrix`` computed for a batch of nodes,
+    over the whole vocabulary (``ids`` None, ``matrix`` [R, V]) or over a subset (``matrix`` [R, S] for
+    the token ids ``ids`` [S]; ``pos_of`` [V] maps a token to its column or -1, and a token outside
+    scores the row's minimum); ``ids`` and ``pos_of`` live on the matrix's device.
 
-    __slots__ = ("logp", "ids", "pos_of")
+    Nodes scored in one call share their matrix, so the batched readers :func:`scores`, :func:`topk` and
+    :func:`argmax_scores` answer for many nodes with one host read; the methods below are the one-node
+    forms (one read each)."""
 
-    def __init__(self, logp: torch.Tensor, ids: torch.Tensor | None = None, pos_of: torch.Tensor | None = None):
-        self.logp, self.ids, self.pos_of = logp, ids, pos_of
+    __slots__ = ("matrix", "row", "ids", "pos_of")
+
+    def __init__(self, matrix: torch.Tensor, row: int = 0, ids: torch.Tensor | None = None,
+                 pos_of: torch.Tensor | None = None):
+        self.matrix, self.row, self.ids, self.pos_of = (matrix if matrix.dim() == 2 else matrix[None]), row, ids, pos_of
+
+    @property
+    def logp(self) -> torch.Tensor:
+        """The row itself, [V] or [S]."""
+        return self.matrix[self.row]
 
     def topk(self, m: int) -> tuple[list[float], list[int]]:
         """The ``m`` best (log-probability, token) pairs, best first."""
-        values, idx = self.logp.topk(min(m, self.logp.shape[-1]))
-        tokens = idx if self.ids is None else self.ids[idx]
-        return values.tolist(), tokens.tolist()
+        return topk([self], m)[0]
 
     def score(self, token: int) -> float:
-        if self.ids is None:
-            return float(self.logp[token])
-        pos = int(self.pos_of[token])
-        return float(self.logp[pos]) if 0 <= pos < self.logp.shape[-1] else float(self.logp.min())
+        return scores([(self, token)])[0]
 
     def argmax(self) -> int:
-        i = int(torch.argmax(self.logp))
-        return i if self.ids is None else int(self.ids[i])
+        return argmax_scores([self])[0][0]
+
+
+def _by_matrix(items: Sequence[TokenLogProbs]) -> list[tuple[TokenLogProbs, list[int]]]:
+    """The items grouped by the matrix they index: (a representative, positions in ``items``)."""
+    groups: dict[int, tuple[TokenLogProbs, list[int]]] = {}
+    for i, lp in enumerate(items):
+        groups.setdefault(id(lp.matrix), (lp, []))[1].append(i)
+    return list(groups.values())
+
+
+def _read(parts: list[torch.Tensor], order: list[int], n: int) -> list:
+    """One host read of every group's rows (float64: token ids and float32 scores are exact in it), put
+    back in the items' order."""
+    device = parts[0].device
+    flat = torch.cat([p.to(device, torch.float64) for p in parts]).tolist()
+    out: list = [None] * n
+    for i, row in zip(order, flat):
+        out[i] = row
+    return out
+
+
+def scores(pairs: Sequence[tuple[TokenLogProbs, int]]) -> list[float]:
+    """log q(token | node) for every (node's :class:`TokenLogProbs`, token) pair, in one host read."""
+    if not pairs:
+        return []
+    parts, order = [], []
+    for lp, idx in _by_matrix([p for p, _ in pairs]):
+        matrix = lp.matrix
+        rows = device_tensor([pairs[i][0].row for i in idx], matrix.device)
+        tokens = device_tensor([pairs[i][1] for i in idx], matrix.device)
+        if lp.ids is None:
+            values = matrix[rows, tokens]
+        else:
+            pos = lp.pos_of[tokens]
+            values = torch.where(pos >= 0, matrix[rows, pos.clamp(min=0)], matrix.amin(dim=-1)[rows])
+        parts.append(values)
+        order += idx
+    return _read(parts, order, len(pairs))
+
+
+def topk(items: Sequence[TokenLogProbs], m: int) -> list[tuple[list[float], list[int]]]:
+    """Each node's ``m`` best (log-probabilities, tokens), best first, in one host read."""
+    if not items:
+        return []
+    parts, order, ks = [], [], {}
+    for lp, idx in _by_matrix(items):
+        matrix = lp.matrix
+        k = min(int(m), matrix.shape[-1])
+        values, cols = matrix.index_select(0, device_tensor([items[i].row for i in idx], matrix.device)).topk(k, dim=-1)
+        tokens = cols if lp.ids is None else lp.ids[cols]
+        parts.append(torch.cat([values.double(), tokens.double()], dim=1))
+        order += idx
+        ks.update((i, k) for i in idx)
+    width = 2 * max(ks.values())
+    rows = _read([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], order, len(items))
+    return [(row[: ks[i]], [int(t) for t in row[ks[i] : 2 * ks[i]]]) for i, row in enumerate(rows)]
+
+
+def argmax_scores(items: Sequence[TokenLogProbs]) -> list[tuple[int, float]]:
+    """Each node's most likely token and its log-probability (the first of equals), in one host read."""
+    if not items:
+        return []
+    parts, order = [], []
+    for lp, idx in _by_matrix(items):
+        matrix = lp.matrix
+        values, cols = matrix.index_select(0, device_tensor([items[i].row for i in idx], matrix.device)).max(dim=-1)
+        tokens = cols if lp.ids is None else lp.ids[cols]
+        parts.append(torch.stack([tokens.double(), values.double()], dim=1))
+        order += idx
+    return [(int(t), v) for t, v in _read(parts, order, len(items))]
 
 
 class MiddleDrafter:
@@ -61,12 +138,14 @@ class MiddleDrafter:
         self.model = model
         self.draft_vocab = draft_vocab
         self.head: SubsetHead | None = None
-        self.device = next(model.parameters()).device
+        self.device = input_device(model)  # token and position ids go here
+        self.head_device = output_device(model)  # log-probabilities come out here
+        self.clock = Clock.of(model)
         self.cache = None
         self.committed = 0  # cached context positions (before any tree slot)
         self.pending: list[int] = []  # context tokens not yet in the cache
         self.slot_of: dict[int, int] = {}  # tree node id -> cache position, this turn
-        self.logprobs: dict[int, torch.Tensor] = {}  # node id -> log q_m(. | node) [V], this turn
+        self.logprobs: dict[int, TokenLogProbs] = {}  # node id -> log q_m(. | node), this turn
         self.hidden: dict[int, torch.Tensor] = {}  # node id -> final hidden state [H], this turn
         self.calls = 0
         self.tokens_encoded = 0  # tokens through the model's forward (context catch-up and tree nodes)
@@ -83,16 +162,23 @@ class MiddleDrafter:
         if self.draft_vocab is not None:
             if self.head is None:
                 weight = head_weight(self.model)
-                self.head = SubsetHead(weight, VocabSubset(self.draft_vocab, weight.shape[0]), logit_softcap(self.model))
+                subset = VocabSubset(self.draft_vocab, weight.shape[0], self.head_device)
+                self.head = SubsetHead(weight, subset, logit_softcap(self.model))
             self.head.truncate(len(self.draft_vocab))
             self.head.add(prompt_ids)
         if encode and self.pending:
-            start = time.perf_counter()
+            start = self.clock.now()
             with torch.inference_mode():
-                toks = torch.tensor(self.pending, device=self.device)
-                forward_hidden(self.model, self.cache, toks, torch.arange(len(toks), device=self.device), None)
-            self.forward_s += time.perf_counter() - start
+                toks = device_tensor(self.pending, self.device)
+                forward_hidden(self.model, self.cache, toks, torch.arange(len(self.pending), device=self.device), None)
+            self.forward_s += self.clock.now() - start
             self.committed, self.pending = len(self.pending), []
+
+    def release(self) -> None:
+        """Drop the KV cache and this turn's rows (a finished generation's); the next :meth:`reset` starts anew.
+        The restricted head keeps its frequent base rows (a few MB, reused by every prompt)."""
+        self.cache = None
+        self.slot_of, self.logprobs, self.hidden = {}, {}, {}
 
     def snapshot(self) -> tuple:
         """The turn state (cache length, context bookkeeping, this turn's slots and rows), for :meth:`restore`.
@@ -121,7 +207,8 @@ class MiddleDrafter:
     def encode(self, tree: DraftTree, nodes: list[int], need_logprobs: list[int] | None = None) -> None:
         """Encode ``nodes`` (and unencoded ancestors) into the cache; fill ``self.logprobs`` for ``need_logprobs``.
 
-        ``need_logprobs`` defaults to ``nodes``. Log-probabilities are float32 log-softmax rows.
+        ``need_logprobs`` defaults to ``nodes``. Log-probabilities are float32 log-softmax rows, one
+        matrix per call (no host read: :func:`scores` / :func:`topk` read them in batches).
         """
         need = list(nodes if need_logprobs is None else need_logprobs)
         new_nodes = tree.closure_missing(nodes, self.slot_of)
@@ -130,18 +217,17 @@ class MiddleDrafter:
             self.calls += 1
         missing = [n for n in need if n not in self.logprobs]
         if missing:
-            start = time.perf_counter()
-            rows = self._hidden_rows(missing)
+            start = self.clock.now()
+            rows = torch.stack([self.hidden[n] for n in missing])
             if self.head is None:
                 logp = torch.log_softmax(lm_logits(self.model, rows), dim=-1)
-                for i, node in enumerate(missing):
-                    self.logprobs[node] = TokenLogProbs(logp[i])
+                ids = pos_of = None
             else:
                 logp = self.head.log_softmax(rows)
                 ids, pos_of = self.head.subset.ids, self.head.subset.pos_of
-                for i, node in enumerate(missing):
-                    self.logprobs[node] = TokenLogProbs(logp[i], ids, pos_of)
-            self.forward_s += time.perf_counter() - start
+            for i, node in enumerate(missing):
+                self.logprobs[node] = TokenLogProbs(logp, i, ids, pos_of)
+            self.forward_s += self.clock.now() - start
 
     def _forward(self, tree: DraftTree, new_nodes: list[int]) -> None:
         device = self.device
@@ -149,33 +235,35 @@ class MiddleDrafter:
         ctx = self.context_len
         p = len(self.pending)
         q = p + len(new_nodes)
-        tokens = torch.tensor(self.pending + [tree.token[n] for n in new_nodes], dtype=torch.long)
-        positions = torch.tensor(
-            list(range(self.committed, ctx)) + [ctx + tree.depth[n] for n in new_nodes], dtype=torch.long
-        )
-        allowed = torch.zeros(q, past + q, dtype=torch.bool)
+        tokens = device_tensor(self.pending + [tree.token[n] for n in new_nodes], device)
+        positions = device_tensor(list(range(self.committed, ctx)) + [ctx + tree.depth[n] for n in new_nodes], device)
+        # may-attend matrix [q, past + q], built on the device: the committed context for every row, the
+        # pending chain causally, and each new node's ancestors (pending rows, earlier slots, new rows)
+        allowed = torch.zeros(q, past + q, dtype=torch.bool, device=device)
         allowed[:, : self.committed] = True  # the committed context (tree slots never precede pending rows)
         if p:
-            allowed[:p, past : past + p] = torch.tril(torch.ones(p, p, dtype=torch.bool))
+            allowed[:p, past : past + p] = torch.ones(p, p, dtype=torch.bool, device=device).tril_()
             allowed[p:, past : past + p] = True
         row_of = {n: past + p + i for i, n in enumerate(new_nodes)}
+        cells_r, cells_c = [], []
         for i, node in enumerate(new_nodes):
             n = node
             while n >= 0:
-                col = row_of.get(n, self.slot_of.get(n))
-                allowed[p + i, col] = True
+                cells_r.append(p + i)
+                cells_c.append(row_of.get(n, self.slot_of.get(n)))
                 n = tree.parent[n]
-        key_pos = torch.empty(past + q, dtype=torch.long)
-        key_pos[: self.committed] = torch.arange(self.committed)
-        for node, slot in self.slot_of.items():
-            key_pos[slot] = ctx + tree.depth[node]
+        key_pos = torch.arange(past + q, device=device)  # the committed context's own positions
+        if cells_r:
+            cells = device_tensor([cells_r, cells_c], device)
+            allowed[cells[0], cells[1]] = True
+        if self.slot_of:  # earlier slots of this turn sit at the context length plus their depth
+            slots = device_tensor([list(self.slot_of.values()), [ctx + tree.depth[n] for n in self.slot_of]], device)
+            key_pos[slots[0]] = slots[1]
         key_pos[past:] = positions
-        start = time.perf_counter()
-        hidden = forward_hidden(
-            self.model, self.cache, tokens.to(device), positions.to(device), allowed, key_pos.to(device)
-        )
+        start = self.clock.now()
+        hidden = forward_hidden(self.model, self.cache, tokens, positions, allowed, key_pos)
         self.tokens_encoded += q
-        self.forward_s += time.perf_counter() - start
+        self.forward_s += self.clock.now() - start
         if p:
             self.committed += p
             self.pending = []
@@ -183,9 +271,6 @@ class MiddleDrafter:
             self.hidden[n] = hidden[p + i]
         for n in new_nodes:
             self.slot_of[n] = row_of[n]
-
-    def _hidden_rows(self, nodes: list[int]) -> torch.Tensor:
-        return torch.stack([self.hidden[n] for n in nodes])
 
     def commit(self, path_nodes: list[int], path_tokens: list[int]) -> None:
         """After verification: keep the encoded prefix of ``[root] + accepted``; queue the rest as pending.

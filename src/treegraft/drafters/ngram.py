@@ -103,10 +103,11 @@ class NGramDrafter:
             for n in range(1, min(self.cfg.max_n, end + 1) + 1):
                 self.index[n][tuple(toks[end - n + 1 : end + 1])].append(end)
 
-    def set_scores(self, start: int, top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> None:
-        """Cache the target's top-m at positions ``start .. start + len(top_ids) - 1``."""
-        ids = top_ids.tolist()
-        lps = top_logprobs.float().tolist()
+    def set_scores(self, start: int, top_ids: torch.Tensor | list[list[int]],
+                   top_logprobs: torch.Tensor | list[list[float]]) -> None:
+        """Cache the target's top-m at positions ``start .. start + len(top_ids) - 1`` (host tensors or lists)."""
+        ids = top_ids.tolist() if isinstance(top_ids, torch.Tensor) else top_ids
+        lps = top_logprobs.float().tolist() if isinstance(top_logprobs, torch.Tensor) else top_logprobs
         penalty = self.cfg.floor_penalty
         for offset, (row_ids, row_lps) in enumerate(zip(ids, lps)):
             pos = start + offset

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from ..atomic import atomic_torch_save
+from ..devices import device_tensor
 
 __all__ = ["frequent_tokens", "VocabSubset", "SubsetHead"]
 
@@ -70,55 +71,70 @@ def frequent_tokens(tokenizer, k: int, vocab_size: int, cache_dir: str | Path | 
 
 
 class VocabSubset:
-    """A growing set of token ids with a dense position map.
+    """A growing set of token ids with a dense position map, on ``device``.
 
-    ``ids``: LongTensor [S] (insertion order); ``pos_of``: LongTensor [V] with the position of each
-    id in ``ids`` or -1.
+    ``ids``: LongTensor [S] (insertion order); ``pos_of``: LongTensor [V] with the position of each id
+    in ``ids`` or -1; both on ``device``. The host keeps the same set as Python data (``id_list``,
+    ``position``), so adding tokens never reads the device back.
     """
 
-    def __init__(self, base_ids: torch.Tensor, vocab_size: int):
-        self.pos_of = torch.full((int(vocab_size),), -1, dtype=torch.long)
-        self.ids = torch.zeros(0, dtype=torch.long)
-        self.add(base_ids.tolist())
+    def __init__(self, base_ids, vocab_size: int, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self.vocab_size = int(vocab_size)
+        self.id_list: list[int] = []
+        self.position: dict[int, int] = {}
+        self.ids = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.pos_of = torch.full((self.vocab_size,), -1, dtype=torch.long, device=self.device)
+        self.add(base_ids.tolist() if isinstance(base_ids, torch.Tensor) else base_ids)
 
     def add(self, tokens) -> list[int]:
-        """Add the ids not in the set yet; returns the new ones (in order)."""
-        cand = torch.tensor(list(dict.fromkeys(int(t) for t in tokens)), dtype=torch.long)
-        if not len(cand):
-            return []
-        new_ids = cand[self.pos_of[cand] < 0]
-        if len(new_ids):
-            self.pos_of[new_ids] = torch.arange(len(self.ids), len(self.ids) + len(new_ids))
+        """Add the ids not in the set yet (ids outside the vocabulary are ignored); returns the new ones."""
+        new = [t for t in dict.fromkeys(int(t) for t in tokens) if t not in self.position and 0 <= t < self.vocab_size]
+        if new:
+            start = len(self.id_list)
+            self.position.update((t, start + i) for i, t in enumerate(new))
+            self.id_list += new
+            new_ids = device_tensor(new, self.device)
+            self.pos_of[new_ids] = torch.arange(start, start + len(new), device=self.device)
             self.ids = torch.cat([self.ids, new_ids])
-        return new_ids.tolist()
+        return new
 
     def truncate(self, n: int) -> None:
         """Keep the first ``n`` ids (drop what was added after them)."""
+        if n >= len(self.id_list):
+            return
         self.pos_of[self.ids[n:]] = -1
-        self.ids = self.ids[:n]
+        for t in self.id_list[n:]:
+            del self.position[t]
+        self.id_list, self.ids = self.id_list[:n], self.ids[:n]
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return len(self.id_list)
 
 
 class SubsetHead:
     """An LM head restricted to a :class:`VocabSubset`: logits ``[n, S]`` for hidden rows ``[n, H]``.
 
-    Built from the model's dense head weight ``[V, H]`` (rows gathered once, in float32; rows of ids
-    added later are appended). ``softcap`` reproduces Gemma's final logit soft-capping.
+    Built from the model's dense head weight ``[V, H]`` (rows gathered once, in float32, onto the
+    subset's device, which is the head's; rows of ids added later are appended). ``softcap``
+    reproduces Gemma's final logit soft-capping.
     """
 
     def __init__(self, weight: torch.Tensor, subset: VocabSubset, softcap: float | None = None):
         self.weight = weight
         self.subset = subset
         self.softcap = softcap
-        self.rows = weight.index_select(0, subset.ids.to(weight.device)).float()
+        self.rows = self._gather(subset.id_list)
+
+    def _gather(self, ids: list[int]) -> torch.Tensor:
+        # the weight may sit elsewhere (an offloaded head): gather there, keep the rows on the subset's device
+        rows = self.weight.index_select(0, device_tensor(ids, self.weight.device))
+        return rows.to(self.subset.device).float()
 
     def add(self, tokens) -> None:
         new = self.subset.add(tokens)
         if new:
-            extra = self.weight.index_select(0, torch.tensor(new, device=self.weight.device)).float()
-            self.rows = torch.cat([self.rows, extra])
+            self.rows = torch.cat([self.rows, self._gather(new)])
 
     def truncate(self, n: int) -> None:
         """Back to the first ``n`` ids (e.g. the frequent base vocabulary, before a new prompt's tokens
@@ -127,7 +143,7 @@ class SubsetHead:
         self.rows = self.rows[:n]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = torch.nn.functional.linear(hidden.float(), self.rows)
+        out = torch.nn.functional.linear(hidden.to(self.rows.device).float(), self.rows)
         if self.softcap is not None:
             out = torch.tanh(out / self.softcap) * self.softcap
         return out

@@ -21,15 +21,16 @@ batch rounding).
 from __future__ import annotations
 
 import ctypes
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..devices import Clock
 from ..drafters.middle import TokenLogProbs
 from ..tree import DraftTree, TreeInputs
+from ..devices import now
 
 __all__ = ["GGUFModel", "LlamaCppTarget", "LlamaCppDrafter", "LlamaCppError", "PromptReuse", "set_batch_invariant",
            "multicol_check"]
@@ -211,9 +212,9 @@ class GGUFModel:
             raise LlamaCppError(f"KV cache full: {n} rows with {self.free_cells()} of {self.n_ctx} cells free; "
                                 f"raise engine.n_ctx")
         set_batch_invariant(self.exact and not fast)
-        start = time.perf_counter()
+        start = now()
         rc = self.lib.llama_decode(self.ctx, b)
-        elapsed = time.perf_counter() - start
+        elapsed = now() - start
         if rc != 0:
             raise LlamaCppError(f"llama_decode returned {rc} for a batch of {n} rows")
         self.used += n
@@ -223,6 +224,13 @@ class GGUFModel:
         """float32 logits [vocab] of batch row ``i`` of the last decode (a copy)."""
         ptr = self.lib.llama_get_logits_ith(self.ctx, i)
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy())
+
+    def logits_rows(self, rows: list[int]) -> torch.Tensor:
+        """float32 logits [len(rows), vocab] of the given batch rows of the last decode (one copy each)."""
+        out = np.empty((len(rows), self.n_vocab), dtype=np.float32)
+        for j, i in enumerate(rows):
+            out[j] = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
+        return torch.from_numpy(out)
 
     def close(self) -> None:
         if getattr(self, "ctx", None):
@@ -279,8 +287,8 @@ class LlamaTreeForward:
     def __init__(self, model: GGUFModel):
         self.model = model
 
-    def logits(self, rows: list[int]) -> list[torch.Tensor]:
-        return [self.model.logits(r) for r in rows]
+    def logits(self, rows: list[int]) -> torch.Tensor:
+        return self.model.logits_rows(rows)
 
 
 def _leaves_below(parent: list[int]) -> list[list[int]]:
@@ -302,7 +310,8 @@ def _leaves_below(parent: list[int]) -> list[list[int]]:
 class LlamaCppTarget:
     """:class:`~treegraft.decoding.engine.TargetEngine` over a :class:`GGUFModel`."""
 
-    device = torch.device("cpu")
+    device = head_device = torch.device("cpu")
+    clock = Clock()  # llama.cpp runs on the host: its clock waits for nothing
     reserve = 128  # cells kept free for a tree: the context window is n_ctx minus this
     fast_prompt = True  # the prompt through the stock kernels (see prefill)
 
@@ -332,7 +341,7 @@ class LlamaCppTarget:
         generation's time.) That also lets decoders share one encoding of a prompt
         (:class:`PromptReuse`); ``prefill_charge_s`` then says how many seconds to add to this call's own
         so that it counts what encoding the prompt cost (0 without reuse)."""
-        start = time.perf_counter()
+        start = now()
         m = self.model
         self._leaf_seqs = []
         self.tokens = list(prompt_ids[:-1])
@@ -355,11 +364,11 @@ class LlamaCppTarget:
         if saved is not None and saved.tokens == tuple(self.tokens) and key in saved.scores:
             m.load_seq0(saved.state, len(self.tokens))
         else:
-            t0 = time.perf_counter()
+            t0 = now()
             scores = self._encode_and_score(prompt_ids, dict(reuse.requests))
-            saved = reuse.saved = SavedPrompt(tuple(self.tokens), None, time.perf_counter() - t0, scores)
+            saved = reuse.saved = SavedPrompt(tuple(self.tokens), None, now() - t0, scores)
             saved.state = m.save_seq0()
-        self.prefill_charge_s = saved.seconds - (time.perf_counter() - start)
+        self.prefill_charge_s = saved.seconds - (now() - start)
         return saved.scores[key]
 
     def _encode_and_score(self, prompt_ids: list[int], requests: dict) -> dict:
@@ -421,8 +430,8 @@ class LlamaCppTarget:
         seqs = [[seq_of_leaf[leaf] for leaf in below[r]] for r in range(n)]
         self._leaf_seqs = list(seq_of_leaf.values())
         self._first_seq = [s[0] for s in seqs]
-        self._tree_tokens = inputs.tokens.tolist()
-        self.model.decode(self._tree_tokens, inputs.position_ids.tolist(), seqs, [True] * n)
+        self._tree_tokens = list(inputs.token_ids)
+        self.model.decode(self._tree_tokens, list(inputs.positions), seqs, [True] * n)
         return LlamaTreeForward(self.model)
 
     def keep(self, context_len: int, rows: list[int]) -> None:
@@ -455,6 +464,9 @@ class LlamaCppTarget:
 
         return cached_engine_curve(self.model, cache_dir, max_size)
 
+    def release(self) -> None:
+        """Nothing to free: the KV cells live in the model's context, sized once and reused."""
+
 
 class LlamaCppDrafter:
     """:class:`~treegraft.decoding.engine.DraftModel` over a :class:`GGUFModel` (the middle drafter).
@@ -463,6 +475,7 @@ class LlamaCppDrafter:
     first call, a call encodes the requested nodes not yet encoded (and their unencoded ancestors),
     :meth:`commit` keeps the encoded prefix of the accepted path and queues the rest as pending."""
 
+    clock = Clock()
     reserve = 256  # free cells a turn may take; below that, the next call re-encodes the context
     fast_rows = 32  # a call that catches up on more context rows than this (the prompt) takes the stock kernels
 
@@ -502,9 +515,9 @@ class LlamaCppDrafter:
         self.ids = None
         self._add_vocab(list(prompt_ids))
         if encode and self.pending:
-            start = time.perf_counter()
+            start = now()
             self._decode_rows([], None)
-            self.forward_s += time.perf_counter() - start
+            self.forward_s += now() - start
 
     @property
     def context_len(self) -> int:
@@ -549,21 +562,21 @@ class LlamaCppDrafter:
         steer drafts), before anything else is encoded on them; with ``PromptReuse`` on the model, the saved
         encoding of the same prompt is restored instead and its seconds charged (``charged_s``)."""
         m, n = self.model, len(self._prompt)
-        start = time.perf_counter()
+        start = now()
         reuse = m.prompt_reuse
         saved = reuse.saved if reuse is not None else None
         m.clear()  # nothing is committed: every cell is a buried one
         if saved is not None and saved.tokens == tuple(self._prompt):
             m.load_seq0(saved.state, n)
         else:
-            t0 = time.perf_counter()
+            t0 = now()
             for s in range(0, n, m.n_batch):
                 chunk = self._prompt[s:s + m.n_batch]
                 m.decode(chunk, list(range(s, s + len(chunk))), [[0]] * len(chunk), [False] * len(chunk), fast=True)
             if reuse is not None:
-                saved = reuse.saved = SavedPrompt(tuple(self._prompt), m.save_seq0(), time.perf_counter() - t0, {})
+                saved = reuse.saved = SavedPrompt(tuple(self._prompt), m.save_seq0(), now() - t0, {})
         if saved is not None:
-            charge = saved.seconds - (time.perf_counter() - start)
+            charge = saved.seconds - (now() - start)
             self.charged_s += charge
             self.forward_s += charge
         self.tokens_encoded += n
@@ -637,19 +650,22 @@ class LlamaCppDrafter:
         if self.model.free_cells() < len(self.pending) + len(todo):
             self._clear()
             todo = tree.closure_missing(nodes, self.seq_of)
-        start = time.perf_counter()
+        start = now()
         if todo or self.pending:
             self._decode_rows(todo, tree)
             self.calls += 1
         for n in need:
             if n not in self.logprobs:
                 self.logprobs[n] = self._logprobs(self._row_logits[n])
-        self.forward_s += time.perf_counter() - start
+        self.forward_s += now() - start
 
     def _logprobs(self, logits: torch.Tensor) -> TokenLogProbs:
         if self.ids is None:
             return TokenLogProbs(torch.log_softmax(logits, dim=-1))
-        return TokenLogProbs(torch.log_softmax(logits[self.ids], dim=-1), self.ids, self.pos_of)
+        return TokenLogProbs(torch.log_softmax(logits[self.ids], dim=-1), 0, self.ids, self.pos_of)
+
+    def release(self) -> None:
+        """Nothing to free: the KV cells live in the model's context, sized once and reused."""
 
     def commit(self, path_nodes: list[int], path_tokens: list[int]) -> None:
         kept = 0

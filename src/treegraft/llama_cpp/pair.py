@@ -15,7 +15,6 @@ or a path to a ``.gguf`` file.
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
@@ -26,6 +25,7 @@ from ..decoding.autoregressive import (GenerationResult, eos_token_ids, extend_u
                                        prepare_prompt)
 from ..decoding.sampling import SamplingConfig, sample_from_logits
 from .engine import GGUFModel, LlamaCppDrafter, LlamaCppTarget
+from ..devices import now
 
 __all__ = ["LlamaPair", "gguf_path", "load_llama_pair", "llama_decoder_for", "LlamaAutoregressive", "llama_eos_ids"]
 
@@ -128,11 +128,11 @@ class LlamaAutoregressive:
                  on_tokens: Callable[[list[int]], None] | None = None, min_new_tokens: int = 0) -> GenerationResult:
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, None, self.engine.context_window())
         generator = make_generator(self.sampling, torch.device("cpu"))
-        start = time.perf_counter()
+        start = now()
         self.engine.prefill(prompt_ids, 1, None)
         start -= self.engine.prefill_charge_s  # a shared prompt encoding counts in full (PromptReuse)
         logits = self.engine.step(prompt_ids[-1])
-        prefill_time = time.perf_counter() - start
+        prefill_time = now() - start
         tokens: list[int] = []
         while True:
             token = sample_from_logits(hold_eos(logits, self.eos_ids, len(tokens), min_new_tokens), self.sampling,
@@ -143,7 +143,7 @@ class LlamaAutoregressive:
             if stop_reason:
                 break
             logits = self.engine.step(token)
-        return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_ids), wall_time_s=time.perf_counter() - start,
+        return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_ids), wall_time_s=now() - start,
                                 prefill_time_s=prefill_time, stop_reason=stop_reason)
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from ..devices import now
 
 __all__ = ["read_gguf_metadata", "convert_gguf_to_hf", "extract_int4_blocks", "CONVERTER_VERSION"]
 
@@ -129,7 +129,7 @@ def convert_gguf_to_hf(
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tmp_dir.mkdir(parents=True)
 
-    started = time.perf_counter()
+    started = now()
     reader = gguf.GGUFReader(str(gguf_path))
     metadata, arch, model_type, config, processor, name_map, model = _hf_context(reader)
 
@@ -163,7 +163,7 @@ def convert_gguf_to_hf(
         "architecture": arch,
         "model_type": model_type,
         "gguf_name": metadata.get("general.name"),
-        "seconds": round(time.perf_counter() - started, 1),
+        "seconds": round(now() - started, 1),
         **(extra_meta or {}),
     }
     (tmp_dir / "treegraft_conversion.json").write_text(json.dumps(meta, indent=2))

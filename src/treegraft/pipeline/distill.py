@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from typing import Sequence, Union
 
 import numpy as np
@@ -34,6 +33,7 @@ from .common import fit_pairs, print_table, to_markdown
 from .estimates import offline_prompt_intervals
 from .fit import mlp_config
 from .tracking import stage_logger
+from ..devices import now
 
 __all__ = ["run_distill", "distill_predictor", "choose_teacher", "name_students", "student_name", "states_of", "time_decisions", "IN_SAMPLE_DISTILLED", "IN_SAMPLE_PLANNER"]
 
@@ -140,10 +140,10 @@ def time_decisions(policy, states: list[StepState], repeats: int) -> float:
     n = len(states)
     for s in states[: min(n, 50)]:  # warm-up
         policy.decide(s)
-    t0 = time.perf_counter()
+    t0 = now()
     for i in range(repeats):
         policy.decide(states[i % n])
-    return 1000 * (time.perf_counter() - t0) / repeats
+    return 1000 * (now() - t0) / repeats
 
 
 def run_distill(cfg: DictConfig) -> dict:

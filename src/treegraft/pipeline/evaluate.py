@@ -19,7 +19,6 @@ import hashlib
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import pandas as pd
@@ -42,6 +41,7 @@ from .estimates import PromptTable, method_intervals
 from .records import make_record, read_records, summarize_records
 from .parallel import fork_pull, one_thread_with_workers
 from .tracking import stage_logger
+from ..devices import now
 
 __all__ = ["run_evaluate", "explain_mismatches", "size_by_precision", "main_interval", "evaluated_methods", "make_record", "summarize_records", "read_records", "eval_pairs", "run_key", "method_prompts",
            "evaluation_units"]
@@ -256,22 +256,22 @@ def size_by_precision(cfg: DictConfig, progress, console) -> dict:
     step = max(1, int(e.get("round_prompts") or 2))
     least = max(MIN_PROMPTS_FOR_CI, int(e.get("min_prompts_per_benchmark") or 0))
     budget_s = 60 * float(e.time_budget_min) if e.get("time_budget_min") else math.inf
-    start, done, rounds = time.perf_counter(), 0, []
+    start, done, rounds = now(), 0, []
     while True:
-        t0 = time.perf_counter()
+        t0 = now()
         with open_dict(cfg):
             cfg.evaluation.prompts_per_benchmark = n
         _evaluate_prompts(cfg, progress)
         pair, method, ci = main_interval(cfg, out_dir)
         rounds.append({"prompts_per_benchmark": n, "n": ci.n, "value": ci.value, "low": ci.low, "high": ci.high,
-                       "half_width": ci.half_width, "seconds": time.perf_counter() - t0})
+                       "half_width": ci.half_width, "seconds": now() - t0})
         console.print(f"precision: {n} prompts per benchmark -> {pair} {method} mean speedup {ci} (n = {ci.n}), "
                       f"half-width {ci.half_width:.3f} (target {target:g})")
         per_prompt = rounds[-1]["seconds"] / max(n - done, 1)
         done, nxt = n, min(top, n + step)
         if (ci.half_width <= target and n >= least) or n >= top:
             break
-        if time.perf_counter() - start + per_prompt * (nxt - n) > budget_s:
+        if now() - start + per_prompt * (nxt - n) > budget_s:
             console.print(f"precision: stopping at {n} prompts per benchmark: another round would end past the "
                           f"{e.time_budget_min:g}-min budget")
             break

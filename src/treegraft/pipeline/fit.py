@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
@@ -21,6 +20,7 @@ from .artifacts import atomic_write_json, atomic_write_text, record_stage, requi
 from .collect import load_rows, row_files
 from .common import fit_pairs, print_table, to_markdown
 from .tracking import stage_logger
+from ..devices import now
 
 __all__ = ["run_fit", "mlp_config"]
 
@@ -53,7 +53,7 @@ def run_fit(cfg: DictConfig) -> dict:
     if not cfg.get("force") and up_to_date(out_dir, config_yaml, inputs, ["value_heads.pt", "selection.json"]):
         console.print(f"fit: {out_dir} is up to date with its config and inputs (force=true to redo)")
         return json.loads((out_dir / "selection.json").read_text())
-    start = time.perf_counter()
+    start = now()
     rows = load_rows(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.name, p.latency_label)
     depth = int(cfg.tree.depth)
     console.print(f"fit on {len(rows)} rows, {rows['report'].nunique()} reports, latency label: {p.latency_label}")
@@ -72,7 +72,7 @@ def run_fit(cfg: DictConfig) -> dict:
     atomic_write_text(summary.to_csv(index=False), out_dir / "oof_summary.csv")
     atomic_write_text(to_markdown(summary), out_dir / "oof_summary.md")
     info = {"chosen_signals": chosen, "subsets_scored": len(table), "rows": len(rows),
-            "reports": int(rows["report"].nunique()), "wall_s": time.perf_counter() - start}
+            "reports": int(rows["report"].nunique()), "wall_s": now() - start}
     atomic_write_json(info, out_dir / "selection.json")
     record_stage(out_dir, config_yaml, inputs)
     print_table(summary[["model", "subset", "n_signals", "score", "al_err_call", "lat_err_call", "tau_err_call",

@@ -16,7 +16,6 @@ tables say how wide its CIs came out.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from omegaconf import DictConfig, open_dict
@@ -33,6 +32,7 @@ from .evaluate import eval_pairs, evaluated_methods, method_prompts, run_evaluat
 from .fit import run_fit
 from .parallel import one_thread_if_forking
 from .report import make_figures, make_tables
+from ..devices import now
 
 __all__ = ["run_all", "work_plan", "evaluate_budget_min", "auto_experiment", "AUTO_EXPERIMENTS"]
 
@@ -95,11 +95,11 @@ def run_all(cfgs: dict[str, DictConfig]) -> dict[str, float]:
     walls: dict[str, float] = {}
 
     def stage(name: str, fn) -> None:
-        start = time.perf_counter()
+        start = now()
         before = bar.n
         fn()
         bar.update(max(0, round(before + plan[name]) - bar.n))  # whatever the estimate left over
-        walls[name] = time.perf_counter() - start
+        walls[name] = now() - start
         console.print(f"[bold]{name}[/] done in {walls[name] / 60:.1f} min")
 
     def per_unit(name: str, units: float):

@@ -72,8 +72,11 @@ def prune_to_budget(tree: DraftTree, budget: int) -> list[int]:
 class TreeInputs:
     """A kept tree as model inputs; row 0 is the root, rows 1.. are the kept nodes in id order.
 
-    Shapes (n = number of kept nodes):
+    Host data only (an engine moves the tensors to its device); the decoder reads the lists, never the
+    tensors. Shapes (n = number of kept nodes):
       node_ids        list[int], n + 1: tree node id of each row
+      token_ids       list[int], n + 1: token of each row
+      positions       list[int], n + 1: context_len + depth of each row
       tokens          LongTensor [n + 1]
       position_ids    LongTensor [n + 1]: context_len + depth
       ancestor_mask   BoolTensor [n + 1, n + 1]: [i, j] is True iff row j is row i or one of its ancestors
@@ -83,6 +86,8 @@ class TreeInputs:
     """
 
     node_ids: list[int]
+    token_ids: list[int]
+    positions: list[int]
     tokens: torch.Tensor
     position_ids: torch.Tensor
     ancestor_mask: torch.Tensor
@@ -116,6 +121,8 @@ def build_tree_inputs(tree: DraftTree, kept: list[int], context_len: int) -> Tre
         mask[row] = mask[prow]
         mask[row, row] = True
     depths = [tree.depth[node] for node in node_ids]
+    token_ids = [tree.token[node] for node in node_ids]
+    positions = [context_len + d for d in depths]
     leaves = [row for row in range(n) if not child_rows[row]]
     max_depth = max(depths)
     paths = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
@@ -129,8 +136,10 @@ def build_tree_inputs(tree: DraftTree, kept: list[int], context_len: int) -> Tre
         paths[i, : len(chain)] = torch.tensor(chain)
     return TreeInputs(
         node_ids=node_ids,
-        tokens=torch.tensor([tree.token[node] for node in node_ids], dtype=torch.long),
-        position_ids=torch.tensor(depths, dtype=torch.long) + context_len,
+        token_ids=token_ids,
+        positions=positions,
+        tokens=torch.tensor(token_ids, dtype=torch.long),
+        position_ids=torch.tensor(positions, dtype=torch.long),
         ancestor_mask=mask,
         parent_row=parent_row,
         child_rows=child_rows,

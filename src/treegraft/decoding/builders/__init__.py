@@ -11,9 +11,9 @@ __all__ = ["TreeBuilder", "TurnPlan", "BuildState", "SingleDrafterBuilder", "Sha
            "builder_for"]
 
 
-def builder_for(cfg: TreeConfig, ngram, middle=None) -> TreeBuilder:
+def builder_for(cfg: TreeConfig, ngram, middle=None, clock=None) -> TreeBuilder:
     """The builder of ``cfg``'s method: the cascade chain (``csd``), the shared tree, or single-drafter."""
     preset = cfg.preset
     if preset.csd:
-        return CascadeChainBuilder(cfg, ngram, middle)
-    return (SharedTreeBuilder if preset.shared else SingleDrafterBuilder)(cfg, ngram, middle)
+        return CascadeChainBuilder(cfg, ngram, middle, clock)
+    return (SharedTreeBuilder if preset.shared else SingleDrafterBuilder)(cfg, ngram, middle, clock)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ...devices import Clock
 from ...drafters.ngram import NGramDrafter
 from ...tree import MIDDLE, SMALL, DraftTree
 from ..tree_config import TreeConfig
@@ -53,11 +53,13 @@ class TreeBuilder:
     the nodes the previous step created, each given up to m children (the root also a copy chain).
     """
 
-    def __init__(self, cfg: TreeConfig, ngram: NGramDrafter, middle=None):
+    def __init__(self, cfg: TreeConfig, ngram: NGramDrafter, middle=None, clock: Clock | None = None):
+        """``clock``: the decoder's (:class:`~treegraft.devices.Clock`: it waits for the models' devices)."""
         self.cfg = cfg
         self.preset = cfg.preset
         self.ngram = ngram
         self.middle = middle
+        self.clock = clock or Clock()
         self.small_kinds: dict[int, tuple] = {}  # this turn's n-gram nodes -> their kind (the drafter learns rates)
 
     def start(self, root_token: int, plan: TurnPlan) -> tuple[DraftTree, BuildState]:
@@ -122,7 +124,7 @@ class TreeBuilder:
         return selected
 
     def expand_small(self, tree: DraftTree, nodes: list[int], step: int, plan: TurnPlan, stats: TurnStats) -> None:
-        start = time.perf_counter()
+        start = self.clock.now()
         cap = self.cfg.node_cap
         kinds = self.small_kinds
         if nodes == [0] and self.cfg.ngram.copy_len:  # a copy chain under the root, before its other children
@@ -138,7 +140,7 @@ class TreeBuilder:
                 if len(tree) >= cap:
                     break
                 kinds.setdefault(tree.add_child(node, token, score, SMALL, step), kind)
-        elapsed = time.perf_counter() - start
+        elapsed = self.clock.now() - start
         stats.small_s += elapsed
         stats.small_propose_s += elapsed
         stats.small_calls += len(nodes)

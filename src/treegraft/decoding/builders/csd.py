@@ -3,9 +3,9 @@ n-gram drafter's proposals, and the target verifies the chain."""
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
+from ...drafters.middle import argmax_scores
 from ...tree import MIDDLE, SMALL, DraftTree
 from ..turn_stats import TurnStats
 from .base import BuildState, TreeBuilder, TurnPlan
@@ -27,8 +27,9 @@ class CascadeChainBuilder(TreeBuilder):
         if plan.horizon is not None:
             depth = min(depth, plan.horizon)  # chain tokens past B_ver would be pruned anyway
         end = 0
+        clock = self.clock
         while tree.depth[end] < depth:
-            t0 = time.perf_counter()
+            t0 = clock.now()
             path = tree.path_tokens(end)
             proposal: list[tuple[int, float]] = []
             for _ in range(depth - tree.depth[end] - 1):
@@ -40,24 +41,25 @@ class CascadeChainBuilder(TreeBuilder):
             for token, score in proposal:
                 parent = tree.add_child(parent, token, score, SMALL, tree.depth[parent] + 1)
                 chain.append(parent)
-            stats.small_s += time.perf_counter() - t0
+            stats.small_s += clock.now() - t0
             stats.small_calls += len(proposal)
-            t1 = time.perf_counter()
+            t1 = clock.now()
             self.encode_middle(tree, [end] + chain, stats)
             stats.middle_calls += 1
-            cur = end
+            # the middle drafter's choice (and its log-probability) after each node of [end] + chain, one host read
+            best = argmax_scores([mid.logprobs[n] for n in [end] + chain])
+            cur, k = end, 0
             for node in chain:
-                logp = mid.logprobs[cur]
-                if logp.argmax() != tree.token[node]:
+                token, logp = best[k]
+                if token != tree.token[node]:
                     break
-                tree.edge[node] = logp.score(tree.token[node])
-                tree.cum[node] = tree.cum[cur] + tree.edge[node]
-                cur = node
+                tree.edge[node] = logp  # the chain token is the argmax: its score is the row's maximum
+                tree.cum[node] = tree.cum[cur] + logp
+                cur, k = node, k + 1
             tree.remove_subtrees_below(cur)  # the middle drafter's rejection of the rest
-            logp = mid.logprobs[cur]
-            best = logp.argmax()
-            end = tree.add_child(cur, best, logp.score(best), MIDDLE, tree.depth[cur] + 1)
-            stats.middle_s += time.perf_counter() - t1
+            token, logp = best[k]
+            end = tree.add_child(cur, token, logp, MIDDLE, tree.depth[cur] + 1)
+            stats.middle_s += clock.now() - t1
         stats.schedule = [MIDDLE] * depth
         return tree
 

@@ -13,8 +13,7 @@ forward of the middle drafter over every node of its scope it has not encoded ye
 
 from __future__ import annotations
 
-import time
-
+from ...drafters.middle import scores, topk
 from ...tree import MIDDLE, DraftTree, prune_order
 from ..turn_stats import TurnStats
 from .base import BuildState, TreeBuilder
@@ -61,7 +60,7 @@ class SharedTreeBuilder(TreeBuilder):
 
     def graft(self, tree: DraftTree, build: BuildState, step: int, stats: TurnStats) -> None:
         """The middle step itself: rescore the scope under q_m, select anywhere, graft."""
-        start = time.perf_counter()
+        start = self.clock.now()
         mid = self.middle
         scope = self.rescore_scope(tree, build)
         in_scope = set(scope)
@@ -72,19 +71,21 @@ class SharedTreeBuilder(TreeBuilder):
         pool = self.middle_pool(tree, step, scope)
         need = sorted(set(parents) | set(pool))
         self.encode_middle(tree, scope, stats, need_logprobs=need if len(need) <= ONE_HEAD_BATCH else parents)
-        for n in scope[1:]:  # asymmetric scoring: the middle drafter recomputes every edge and cum in scope
-            tree.edge[n] = mid.logprobs[tree.parent[n]].score(tree.token[n])
+        # asymmetric scoring: the middle drafter recomputes every edge and cum in scope (one host read)
+        edges = scores([(mid.logprobs[tree.parent[n]], tree.token[n]) for n in scope[1:]])
+        for n, edge in zip(scope[1:], edges):
+            tree.edge[n] = edge
         tree.recompute_cum(0)
         selected = self.top_w(tree, pool, build.plan.width)  # rescoring changes scores, not who is in the pool
         self.encode_middle(tree, selected, stats)  # already encoded: this only adds their log-probability rows
         m, cap = build.plan.top_m, self.cfg.node_cap
-        for node in selected:
+        proposals = topk([mid.logprobs[node] for node in selected], m)  # one host read
+        for node, (lp, ids) in zip(selected, proposals):
             if not tree.alive[node]:  # removed by a destructive graft above it in this same step
                 continue
             tree.visited[node] = True
             if self.preset.grafting == "destructive":
                 tree.remove_subtrees_below(node)
-            lp, ids = mid.logprobs[node].topk(m)
             for token, score in zip(ids, lp):
                 child = tree.children[node].get(token)
                 if child is not None:  # non-destructive: the branch stays, with the middle's score
@@ -93,7 +94,7 @@ class SharedTreeBuilder(TreeBuilder):
                 if len(tree) >= cap:
                     break
                 tree.add_child(node, token, score, MIDDLE, step)
-        stats.middle_s += time.perf_counter() - start
+        stats.middle_s += self.clock.now() - start
         stats.middle_calls += 1
         build.rescored_from = len(tree)
         build.calls += 1

@@ -6,8 +6,7 @@ its drafter's top m tokens as children with ``cum = cum(parent) + log q(token)``
 
 from __future__ import annotations
 
-import time
-
+from ...drafters.middle import topk
 from ...tree import MIDDLE, DraftTree
 from ..turn_stats import TurnStats
 from .base import BuildState, TreeBuilder
@@ -22,15 +21,15 @@ class SingleDrafterBuilder(TreeBuilder):
         selected = self.expandable(tree, build, step, stats)
         if not selected:
             return
-        start = time.perf_counter()
+        start = self.clock.now()
         self.encode_middle(tree, selected, stats)
         m, cap = build.plan.top_m, self.cfg.node_cap
-        for node in selected:
-            lp, ids = self.middle.logprobs[node].topk(m)
+        proposals = topk([self.middle.logprobs[node] for node in selected], m)  # one host read
+        for node, (lp, ids) in zip(selected, proposals):
             for token, score in zip(ids, lp):
                 if len(tree) >= cap:
                     break
                 tree.add_child(node, token, score, MIDDLE, step)
-        stats.middle_s += time.perf_counter() - start
+        stats.middle_s += self.clock.now() - start
         stats.middle_calls += 1
         build.calls += 1

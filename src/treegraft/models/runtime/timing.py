@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import statistics
-import time
 from typing import TYPE_CHECKING, Callable, Mapping
 
 import torch
 from torch import nn
 
+from ...devices import Clock, device_tensor, input_device, now
 from ...torch_ops import int4_mm, onednn_linear, onednn_pack
 from .kernels import avx512_kernels
 
@@ -22,13 +22,13 @@ def _timed(fn: Callable[[], object], min_s: float = 0.05, repeats: int = 3) -> f
     fn()
     times = []
     for _ in range(repeats):
-        n, start = 0, time.perf_counter()
+        n, start = 0, now()  # host kernels: the host clock
         while True:
             fn()
             n += 1
-            if time.perf_counter() - start >= min_s / repeats:
+            if now() - start >= min_s / repeats:
                 break
-        times.append((time.perf_counter() - start) / n)
+        times.append((now() - start) / n)
     return statistics.median(times)
 
 
@@ -81,27 +81,26 @@ def forward_curve(model: nn.Module, sizes=(1, 2, 4, 8, 16), context: int = 256, 
     the LM head on one row, for each n in ``sizes`` (the shape of a tree verification)."""
     from ...model_io import forward_hidden, lm_logits, new_cache, truncate_cache
 
-    device = next(model.parameters()).device
+    device = input_device(model)
+    clock = Clock.of(model)
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
     cache = new_cache()
-    prefix = torch.randint(0, vocab, (context,), generator=gen).to(device)
+    prefix = device_tensor(torch.randint(0, vocab, (context,), generator=gen), device)
     forward_hidden(model, cache, prefix, torch.arange(context, device=device), None)
     curve: dict[int, float] = {}
     for n in sizes:
-        tokens = torch.randint(0, vocab, (n,), generator=gen).to(device)
+        tokens = device_tensor(torch.randint(0, vocab, (n,), generator=gen), device)
         pos = torch.arange(context, context + n, device=device)
-        allowed = torch.ones(n, context + n, dtype=torch.bool)
+        allowed = torch.ones(n, context + n, dtype=torch.bool, device=device)
         allowed[:, context:] = torch.tril(allowed[:, context:])
         times = []
         for i in range(repeats + 1):
-            start = time.perf_counter()
+            start = clock.now()
             hidden = forward_hidden(model, cache, tokens, pos, allowed)
             lm_logits(model, hidden[:1])
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
             if i:  # the first run is a warm-up
-                times.append(time.perf_counter() - start)
+                times.append(clock.now() - start)
             truncate_cache(cache, context)
         curve[n] = statistics.median(times)
     return curve
