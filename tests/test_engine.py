@@ -10,6 +10,7 @@ import torch
 
 from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
 from treegraft.decoding.engine import TorchTarget
+from treegraft.devices import Clock
 from treegraft.pipeline.enumeration import enumerate_turn
 
 VOCAB = 16
@@ -20,18 +21,17 @@ class ScriptedForward:
         self.tokens = tokens
 
     def logits(self, rows):
-        out = []
-        for r in rows:  # the target's next token after a row is that row's token + 1
-            x = torch.full((VOCAB,), -10.0)
-            x[(int(self.tokens[r]) + 1) % VOCAB] = 10.0
-            out.append(x)
+        out = torch.full((len(rows), VOCAB), -10.0, device="cpu")
+        for i, r in enumerate(rows):  # the target's next token after a row is that row's token + 1
+            out[i, (self.tokens[r] + 1) % VOCAB] = 10.0
         return out
 
 
 class ScriptedEngine:
     """A TargetEngine whose 'model' counts upwards modulo VOCAB; its cache is the list of context tokens."""
 
-    device = torch.device("cpu")
+    device = head_device = torch.device("cpu")
+    clock = Clock()
     prefill_charge_s = 0.0
 
     def __init__(self):
@@ -55,9 +55,9 @@ class ScriptedEngine:
 
     def forward_tree(self, inputs):
         self.calls.append("forward_tree")
-        assert int(inputs.position_ids[0]) == len(self.context)  # the root sits at the context length
-        self.pending = inputs.tokens.tolist()
-        return ScriptedForward(inputs.tokens)
+        assert inputs.positions[0] == len(self.context)  # the root sits at the context length
+        self.pending = list(inputs.token_ids)
+        return ScriptedForward(inputs.token_ids)
 
     def keep(self, context_len, rows):
         self.calls.append("keep")
@@ -70,6 +70,9 @@ class ScriptedEngine:
     def verify_curve(self, cache_dir, max_size):
         return {n: 0.01 * (1 + n / 64) for n in (1, 2, 4, 8, 16, 32, 64)}
 
+    def release(self):
+        self.calls.append("release")
+
 
 def test_a_model_free_engine_decodes_through_the_seam():
     engine = ScriptedEngine()
@@ -81,7 +84,8 @@ def test_a_model_free_engine_decodes_through_the_seam():
         assert out.tokens == [(3 + i) % VOCAB for i in range(40)]
         assert max(t["accepted"] for t in out.turns) >= 4  # the tree did the work, not one token a turn
         turns = len(out.turns)
-        assert engine.calls == ["prefill"] + ["forward_tree", "keep"] * turns  # one forward a turn, never a rollback
+        # one forward a turn, never a rollback; the cache released at the end
+        assert engine.calls == ["prefill"] + ["forward_tree", "keep"] * turns + ["release"]
         assert engine.context_len() == len(prompt) - 1 + sum(t["accepted"] + 1 for t in out.turns)
 
 

@@ -11,7 +11,7 @@ PACKAGE = REPO_ROOT / "src" / "treegraft"
 
 # lowest first; the key is the first component of a module's path inside the package
 LAYERS = [
-    {"atomic", "paths", "torch_ops", "machine", "config", "errors", "model_io", "tree", "stats"},
+    {"atomic", "paths", "torch_ops", "devices", "hostreads", "machine", "config", "errors", "model_io", "tree", "stats"},
     {"drafters", "data", "models"},
     {"scheduling"},
     {"decoding"},

@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
-__all__ = ["input_device", "output_device", "model_devices", "device_tensor", "synchronize", "Clock", "now",
+__all__ = ["input_device", "output_device", "model_devices", "devices_of", "device_tensor", "synchronize", "Clock", "now",
            "device_line", "device_info", "cuda_devices"]
 
 
@@ -66,6 +66,11 @@ def model_devices(model: nn.Module) -> tuple[torch.device, ...]:
         elif place not in ("disk", "meta"):
             devices.add(torch.device(place))
     return tuple(sorted(devices, key=str))
+
+
+def devices_of(*models) -> tuple[torch.device, ...]:
+    """Every device the given PyTorch models compute on (other engines' models, and None, contribute none)."""
+    return tuple(dict.fromkeys(d for m in models if isinstance(m, nn.Module) for d in model_devices(m)))
 
 
 def cuda_devices(devices: Iterable[torch.device]) -> tuple[torch.device, ...]:

@@ -12,9 +12,10 @@ import subprocess
 
 import torch
 
+from .devices import device_info, device_line
 from .torch_ops import onednn_bf16_supported
 
-__all__ = ["cpu_model_name", "cpu_capability", "native_bf16", "cpu_info", "cpu_line"]
+__all__ = ["cpu_model_name", "cpu_capability", "native_bf16", "cpu_info", "cpu_line", "machine_info", "machine_line"]
 
 
 @functools.cache
@@ -65,3 +66,14 @@ def cpu_line() -> str:
     bf16 = "bf16 native" if info["native_bf16"] else "bf16 emulated"
     threads = f"{info['threads']} thread" + ("s" if info["threads"] != 1 else "")
     return f"{info['cpu']} | {info['cpu_capability']} | {bf16} | {threads} | torch {info['torch']}"
+
+
+def machine_info(devices=()) -> dict:
+    """:func:`cpu_info` plus, where ``devices`` include GPUs, their model, count and CUDA version."""
+    return {**cpu_info(), **device_info(devices)}
+
+
+def machine_line(devices=()) -> str:
+    """:func:`cpu_line`, then the GPUs among ``devices`` (``... | NVIDIA H100 80GB HBM3 x2 | CUDA 12.8``)."""
+    gpus = device_line(devices)
+    return cpu_line() + (f" | {gpus}" if gpus else "")

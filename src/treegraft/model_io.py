@@ -23,6 +23,7 @@ __all__ = [
     "forward_hidden",
     "keep_cache_positions",
     "truncate_cache",
+    "check_attention",
 ]
 
 
@@ -153,3 +154,12 @@ def truncate_cache(cache, length: int) -> None:
             continue
         layer.keys = layer.keys[..., :length, :]
         layer.values = layer.values[..., :length, :]
+
+
+def check_attention(model: nn.Module) -> None:
+    """Refuse, in one line, an attention implementation that would read the tree mask wrongly:
+    flash-attention-2 takes a 4D mask for a padding mask (sdpa and eager apply it as given)."""
+    impl = str(getattr(model.config, "_attn_implementation", None) or "")
+    if impl.startswith("flash_attention") or impl.startswith("flash"):
+        raise ValueError(f"attention implementation {impl!r} cannot run a tree mask (it reads a 4D mask as padding); "
+                         "load the model with attn_implementation='sdpa' or 'eager'")

@@ -41,6 +41,7 @@ from pathlib import Path
 from torch import nn
 
 from ..atomic import atomic_write_json, read_json
+from ..devices import model_devices
 from ..models.runtime import curve_at, forward_curve, model_runtime, runtime_cache_key
 from ..tree import DraftTree, prune_order
 
@@ -68,8 +69,7 @@ def cached_verify_curve(model: nn.Module, cache_dir: str | Path | None, max_size
     """:func:`measure_verify_curve`, cached in ``<cache_dir>/verify_curves.json`` per machine, model,
     runtime, context and sizes (None: measured every time)."""
     sizes = [s for s in DEFAULT_SIZES if s <= max_size + 1] or [1]
-    device = next(model.parameters()).device
-    key = f"{runtime_cache_key(_model_id(model), device)} | {model_runtime(model)} | ctx {context} | {sizes}"
+    key = f"{runtime_cache_key(_model_id(model), model_devices(model))} | {model_runtime(model)} | ctx {context} | {sizes}"
     path = Path(cache_dir) / "verify_curves.json" if cache_dir else None
     cache = read_json(path, {}) if path else {}
     if key in cache:

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..devices import Clock, device_tensor, input_device, output_device
 from ..drafters.vocab import SubsetHead, VocabSubset
-from ..model_io import (cache_length, forward_hidden, head_weight, keep_cache_positions, lm_logits, logit_softcap,
+from ..model_io import (cache_length, check_attention, forward_hidden, head_weight, keep_cache_positions, lm_logits, logit_softcap,
                         new_cache, truncate_cache)
 from ..tree import DraftTree, TreeInputs
 from .budget import cached_verify_curve
@@ -48,10 +48,10 @@ class TargetEngine(Protocol):
     def context_window(self) -> int | None:
         """Positions the model can attend over (prompt + new tokens), None when unbounded."""
 
-    def prefill(self, prompt_ids: list[int], top_m: int, vocab: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, prompt_ids: list[int], top_m: int, vocab: int | None) -> tuple:
         """Encode ``prompt_ids[:-1]`` into a fresh cache; return the target's top-``top_m`` token ids and
-        log-probabilities at each of those positions ([P - 1, top_m] each), over the ``vocab`` most
-        frequent tokens plus the prompt's own (None: the full vocabulary)."""
+        log-probabilities at each of those positions ([P - 1, top_m] each: host tensors or nested lists),
+        over the ``vocab`` most frequent tokens plus the prompt's own (None: the full vocabulary)."""
 
     def context_len(self) -> int:
         """Positions in the cache (the root of the next tree sits here)."""
@@ -115,25 +115,27 @@ class TorchTarget:
 
     def __init__(self, model: nn.Module, frequent: Callable[[int, int], torch.Tensor]):
         """``frequent(k, vocab_size)``: the ``k`` most frequent token ids (the prefill's restricted vocabulary)."""
+        check_attention(model)
         self.model = model
         self.device = input_device(model)
         self.head_device = output_device(model)
         self.clock = Clock.of(model)
         self.cache = None
         self._frequent = frequent
-        self._prefill_head: SubsetHead | None = None  # the restricted head, gathered once per engine
+        self._prefill_base: list[int] | None = None  # the prefill's frequent tokens
+        self._prefill_head: SubsetHead | None = None  # the restricted head, gathered once per prompt
 
     def context_window(self) -> int | None:
         return getattr(self.model.config, "max_position_embeddings", None)
 
-    def prefill(self, prompt_ids: list[int], top_m: int, vocab: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, prompt_ids: list[int], top_m: int, vocab: int | None) -> tuple[list[list[int]], list[list[float]]]:
         """With ``vocab`` = K the scores are a log-softmax over the K most frequent tokens plus the
         prompt's own (every token a prompt position can propose): the LM head then costs K / V of a
         full-vocabulary head over the prompt, which keeps the time to first token near ``ar``'s."""
         self.cache = new_cache()
         ctx = prompt_ids[:-1]
         if not ctx:
-            return torch.zeros(0, top_m, dtype=torch.long), torch.zeros(0, top_m)
+            return [], []
         device = self.device
         toks = device_tensor(ctx, device)
         hidden = forward_hidden(self.model, self.cache, toks, torch.arange(len(ctx), device=device), None)
@@ -141,8 +143,9 @@ class TorchTarget:
         if vocab:
             weight = head_weight(self.model)
             if self._prefill_head is None:
-                base = self._frequent(int(vocab), weight.shape[0])
-                subset = VocabSubset(base, weight.shape[0], self.head_device)
+                if self._prefill_base is None:  # the frequent tokens, read once per engine
+                    self._prefill_base = self._frequent(int(vocab), weight.shape[0]).tolist()
+                subset = VocabSubset(self._prefill_base, weight.shape[0], self.head_device)
                 self._prefill_head = SubsetHead(weight, subset, logit_softcap(self.model))
             head = self._prefill_head
             head.truncate(min(int(vocab), weight.shape[0]))
@@ -153,8 +156,8 @@ class TorchTarget:
             k = min(top_m, logp.shape[-1])
             v, i = logp.topk(k, dim=-1)
             parts.append(torch.cat([(i if head is None else head.subset.ids[i]).double(), v.double()], dim=1))
-        packed = torch.cat(parts).cpu()  # one host read per prompt: ids and log-probabilities (exact in float64)
-        return packed[:, :k].long(), packed[:, k:].float()
+        packed = torch.cat(parts).tolist()  # one host read per prompt: ids and log-probabilities (exact in float64)
+        return [[int(t) for t in row[:k]] for row in packed], [row[k:] for row in packed]
 
     def context_len(self) -> int:
         return cache_length(self.cache)

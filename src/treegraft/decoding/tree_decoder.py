@@ -121,7 +121,7 @@ class TreeGraftDecoder:
         without a tokenizer)."""
         key = (int(k), int(vocab_size))
         if key not in self._frequent_ids:  # read from the disk cache once per decoder
-            self._frequent_ids[key] = (torch.arange(min(k, vocab_size)) if self.tokenizer is None
+            self._frequent_ids[key] = (torch.arange(min(k, vocab_size), device="cpu") if self.tokenizer is None
                                        else frequent_tokens(self.tokenizer, k, vocab_size, self.cache_dir))
         return self._frequent_ids[key]
 
@@ -205,9 +205,12 @@ class TreeGraftDecoder:
         """The target's cache over prompt[:-1] and its top-m scores there (the n-gram drafter's), the
         drafter's index, the middle drafter's context."""
         top_ids, top_lps = self.engine.prefill(prompt_ids, self.cfg.ngram.top_m, self.cfg.ngram.prefill_vocab)
+        if isinstance(top_ids, torch.Tensor):  # an engine that hands back host tensors
+            top_ids, top_lps = top_ids.tolist(), top_lps.float().tolist()
         self.ngram.reset(prompt_ids, top_ids, top_lps)
         # the target's confidence on the prompt's last positions stands in for past turns' (first turn)
-        conf = float(top_lps[-16:, 0].exp().mean()) if len(top_lps) else 0.0
+        last = top_lps[-16:]
+        conf = sum(math.exp(row[0]) for row in last) / len(last) if last else 0.0
         self.turn_signals = {"recent_al": 0.0, "recent_target_conf": conf}
         if self.middle is not None:
             self.middle.reset(prompt_ids, encode=self._eager_middle_prefill)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ..devices import Clock, device_tensor, input_device, output_device
-from ..model_io import (cache_length, forward_hidden, head_weight, keep_cache_positions, lm_logits, logit_softcap,
+from ..model_io import (cache_length, check_attention, forward_hidden, head_weight, keep_cache_positions, lm_logits, logit_softcap,
                         new_cache, truncate_cache)
 from ..tree import DraftTree
 from .vocab import SubsetHead, VocabSubset
@@ -135,6 +135,7 @@ def argmax_scores(items: Sequence[TokenLogProbs]) -> list[tuple[int, float]]:
 class MiddleDrafter:
     def __init__(self, model: nn.Module, draft_vocab: torch.Tensor | None = None):
         """``draft_vocab``: ids of a restricted draft vocabulary (LongTensor [K]); None = full vocabulary."""
+        check_attention(model)
         self.model = model
         self.draft_vocab = draft_vocab
         self.head: SubsetHead | None = None

@@ -84,8 +84,9 @@ class NGramDrafter:
         # acceptance counts per kind of child (see `scoring`), kept across prompts: kind -> [hits, seen]
         self.rates: dict[tuple, list[float]] = {}
 
-    def reset(self, prompt_ids: list[int], top_ids: torch.Tensor, top_logprobs: torch.Tensor) -> None:
-        """Index the prompt; ``top_ids``/``top_logprobs`` [T', m] are the target's top-m at positions 0..T'-1."""
+    def reset(self, prompt_ids: list[int], top_ids, top_logprobs) -> None:
+        """Index the prompt; ``top_ids``/``top_logprobs`` [T', m] (host tensors or nested lists) are the
+        target's top-m at positions 0..T'-1."""
         self.tokens = []
         self.index = [defaultdict(list) for _ in range(self.cfg.max_n + 1)]
         self.scores = []

@@ -59,12 +59,12 @@ def frequent_tokens(tokenizer, k: int, vocab_size: int, cache_dir: str | Path | 
             text = path.read_text(errors="ignore")
             used += len(text)
             counts.update(tokenizer(text, add_special_tokens=False).input_ids)
-        freq = torch.zeros(int(vocab_size), dtype=torch.long)
+        freq = torch.zeros(int(vocab_size), dtype=torch.long, device="cpu")
         for token, c in counts.items():
             if 0 <= token < vocab_size:
                 freq[token] = c
         # most frequent first; among equal counts (unseen tokens included) the lower id first
-        order = torch.argsort(-freq * (int(vocab_size) + 1) + torch.arange(int(vocab_size)), stable=True)
+        order = torch.argsort(-freq * (int(vocab_size) + 1) + torch.arange(int(vocab_size), device="cpu"), stable=True)
         if cache is not None:
             atomic_torch_save(order, cache)
     return order[:k].clone()

@@ -10,6 +10,11 @@ One entry point, :func:`load_model`, takes any of
 A pair (:class:`PairSpec`) is a target plus a middle drafter that is either another model or a
 *self-draft*: the target's first ``k`` decoder layers with the target's own embeddings, final norm
 and LM head, sharing the target's weights (no copy).
+
+Where the weights go is a :class:`~treegraft.models.placement.Placement`: a target split over several
+GPUs (``device_map``, ``max_memory``, CPU or disk offload through accelerate's hooks) and the middle
+drafter on the target's device, a device of its own, or spread by accelerate. On CUDA a pair is checked
+against the memory it may use before any weight is read (:func:`~treegraft.models.placement.check_fits`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,10 @@ import torch
 from torch import nn
 
 from ..paths import default_cache_dir, default_models_dir
+from ..devices import input_device
+from ..model_io import check_attention
 from .embedded import EMBEDDED_MODELS, int4_blocks, is_converted
+from .placement import Placement, check_fits
 from .runtime import (RuntimeChoice, apply_runtime, check_runtime_name, choose_runtime, effective_runtime,
                       runtime_load_dtype, runtime_unavailable)
 from .tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer
@@ -45,6 +53,8 @@ __all__ = [
     "load_pair",
     "make_self_draft",
     "check_same_vocabulary",
+    "check_attention",
+    "Placement",
 ]
 
 EMBEDDED_PREFIX = "embedded:"
@@ -139,27 +149,57 @@ def load_model(
     device: str | torch.device = "cpu",
     models_dir: str | os.PathLike | None = None,
     runtime: str | None = None,
+    device_map: str | dict | None = None,
+    max_memory: dict | None = None,
+    offload_folder: str | None = None,
 ) -> nn.Module:
     """A causal LM in eval mode on ``device``: stock in ``dtype``, or switched to ``runtime``
-    (one of :data:`~treegraft.models.runtime.RUNTIMES`; it sets the dtype itself)."""
+    (one of :data:`~treegraft.models.runtime.RUNTIMES`; it sets the dtype itself).
+
+    With ``device_map`` (``auto``, ``balanced``, ``sequential`` or a ``{module: device}`` dict) the model
+    is placed by accelerate instead, over the GPUs and, where ``max_memory`` allows (``cpu`` / ``disk``
+    entries, ``offload_folder``), offloaded; ``device`` is then ignored and the runtime must be a stock
+    dtype (the packed CPU kernels need the whole model in host memory)."""
     from transformers import AutoModelForCausalLM
 
+    if device_map is not None and runtime not in (None, "float32", "bfloat16"):
+        raise ValueError(f"runtime {runtime} packs weights for CPU kernels and cannot be split with device_map; "
+                         "use runtime=float32 or bfloat16 (or dtype=) with a device_map")
     torch_dtype = runtime_load_dtype(runtime) if runtime else resolve_dtype(dtype)
     if source.startswith(TINY_PREFIX):
         model = build_tiny_model(int(source[len(TINY_PREFIX):] or 0)).to(torch_dtype)
+        if device_map is not None:
+            return _dispatch(model, device_map, max_memory, offload_folder).eval()
     else:
         path = resolve_source(source, models_dir)
+        placed = {} if device_map is None else {"device_map": device_map, "max_memory": max_memory,
+                                                "offload_folder": offload_folder}
         try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **placed)
         except (OSError, ValueError) as err:
             raise ModelLoadError(
                 f"cannot load model {source!r}: {str(err).splitlines()[0]} "
                 "(expected an embedded:<name>, a local Hugging Face folder or a hub id reachable from here)"
             ) from err
+        if device_map is not None:
+            return model.eval()
     model = model.to(device).eval()
     if runtime:
         blocks = _int4_blocks_of(source, models_dir) if runtime == "int4" else None
         apply_runtime(model, runtime, int4_blocks=blocks)
+    return model
+
+
+def _dispatch(model: nn.Module, device_map, max_memory, offload_folder) -> nn.Module:
+    """accelerate's placement of a model built in memory (what ``from_pretrained(device_map=...)`` does
+    for a checkpoint): infer the map for a named strategy, then dispatch with its hooks."""
+    from accelerate import dispatch_model, infer_auto_device_map
+
+    if isinstance(device_map, str):
+        device_map = infer_auto_device_map(model, max_memory=max_memory,
+                                           no_split_module_classes=getattr(model, "_no_split_modules", None) or [])
+    model = dispatch_model(model, device_map=device_map, offload_dir=offload_folder)
+    model.hf_device_map = dict(device_map)
     return model
 
 
@@ -263,6 +303,8 @@ def load_pair(
     cache_dir: str | os.PathLike | None = None,
     log=print,
     middle_runtime: str | None = "same",
+    placement: Placement | None = None,
+    kv_tokens: int = 4096,
 ) -> LoadedPair:
     """Load target, middle drafter and the shared tokenizer, checking the vocabularies match.
 
@@ -272,19 +314,43 @@ def load_pair(
     ``int8`` where its kernel runs, else the target's). A drafter's numerics only move acceptance,
     never the output, so it may run a lossier, faster runtime than the target. A self-draft shares the
     target's modules and so its runtime.
+
+    ``placement`` (:class:`~treegraft.models.placement.Placement`): a split target and where the middle
+    drafter goes. Its ``device_map`` applies on CUDA, and on a CPU where ``max_memory`` is given (offload) or
+    the map is explicit; a plain CPU run keeps the whole pair in host memory with its runtime kernels. On
+    CUDA, or with ``max_memory``, the pair is first checked against the memory it may use at ``kv_tokens``
+    positions (:func:`~treegraft.models.placement.check_fits`), before any weight is read.
     """
+    placement = placement or Placement()
+    device = torch.device(device)
+    split = placement.device_map is not None and (
+        device.type == "cuda" or placement.max_memory is not None or isinstance(placement.device_map, dict))
+    if device.type == "cuda" or placement.max_memory is not None:
+        stock = resolve_dtype(dtype) if runtime in (None, "auto") else runtime_load_dtype(runtime)
+        check_fits(spec, stock, device, placement if split else Placement(None, placement.max_memory, placement.middle),
+                   kv_tokens, models_dir)
     tokenizer = load_tokenizer(spec.target, models_dir)
     if spec.middle is not None:
         check_same_vocabulary(tokenizer, load_tokenizer(spec.middle, models_dir), spec.target, spec.middle)
     if runtime is not None:
         runtime = resolve_runtime(spec.target, runtime, device, models_dir, cache_dir, log)
-    target = load_model(spec.target, dtype, device, models_dir, runtime)
+    memory = placement.accelerate_memory()
+    if split:
+        target = load_model(spec.target, dtype, device, models_dir, runtime, placement.device_map, memory,
+                            placement.offload_folder)
+    else:
+        target = load_model(spec.target, dtype, device, models_dir, runtime)
     mid_runtime = runtime
     if spec.self_draft_layers is not None:
         middle = make_self_draft(target, int(spec.self_draft_layers))
     else:
         mid_runtime = resolve_middle_runtime(middle_runtime, runtime, device)
-        middle = load_model(spec.middle, dtype, device, models_dir, mid_runtime)
+        if placement.middle == "auto" and split:
+            middle = load_model(spec.middle, dtype, device, models_dir, mid_runtime, "auto", memory,
+                                placement.offload_folder)
+        else:
+            home = input_device(target) if placement.middle in ("same", "auto") else torch.device(placement.middle)
+            middle = load_model(spec.middle, dtype, home, models_dir, mid_runtime)
     t_vocab, m_vocab = _output_size(target), _output_size(middle)
     if t_vocab != m_vocab:
         raise TokenizerMismatchError(
@@ -305,7 +371,22 @@ def load_pair_from_settings(spec: PairSpec, settings, device: str | torch.device
     dtype = getattr(settings, "dtype", None) if dtype is None else dtype
     return load_pair(spec, device=device, models_dir=settings.paths.models_dir,
                      runtime=effective_runtime(settings.runtime, dtype), cache_dir=settings.paths.cache_dir, log=log,
-                     middle_runtime=settings.middle_runtime)
+                     middle_runtime=settings.middle_runtime, placement=placement_from(getattr(settings, "placement", None)),
+                     kv_tokens=int(getattr(settings, "kv_tokens", None) or 4096))
+
+
+def placement_from(settings) -> Placement:
+    """A :class:`Placement` from a config group (``device_map``, ``max_memory``, ``middle``,
+    ``offload_folder``; any may be missing) or None (the defaults)."""
+    if settings is None:
+        return Placement()
+    get = settings.get if hasattr(settings, "get") else lambda k, d=None: getattr(settings, k, d)
+    device_map = get("device_map", None)
+    max_memory = get("max_memory", None)
+    if device_map is not None and not isinstance(device_map, str):
+        device_map = dict(device_map)
+    return Placement(device_map=device_map, max_memory=dict(max_memory) if max_memory is not None else None,
+                     middle=str(get("middle", "same") or "same"), offload_folder=get("offload_folder", None))
 
 
 def resolve_middle_runtime(middle_runtime: str | None, target_runtime: str | None,

@@ -24,7 +24,8 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from ..decoding.tree_decoder import TreeGraftDecoder
-from ..machine import cpu_info
+from ..devices import devices_of
+from ..machine import machine_info
 from ..models.runtime.memory import return_freed_memory
 from .enumeration import TurnEnumeration, enumerate_turn
 from ..scheduling.features import ALL_FEATURES, state_names, state_vector, suffix_names, suffix_vector
@@ -301,7 +302,7 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     # the report's figure, and budget=auto's (the same measurement, cached once)
     curve = decoder.engine.verify_curve(cfg.paths.cache_dir, decoder.cfg.auto_max_budget)
     atomic_write_json({"pair": pair_name, "runtime": pair.runtime, "middle_runtime": pair.middle_runtime,
-                       **engine_info(pair), **cpu_info(), "budget": budget,
+                       **engine_info(pair), **machine_info(devices_of(pair.target, pair.middle)), "budget": budget,
                        "budget_setting": str(cfg.tree.budget), "tree_shape": cfg.tree.shape,
                        "collect_schedule": list(decoder.cfg.schedule),
                        "t_tgt_ms": t_tgt, "t_mid_ms": t_mid, "context_samples": decoder.context_samples,

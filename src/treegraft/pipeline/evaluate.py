@@ -31,7 +31,8 @@ from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, load_learned_
 from ..llama_cpp.select import engine_decoder, engine_info, engine_workers, load_engine_pair
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
-from ..machine import cpu_info, cpu_line
+from ..devices import devices_of
+from ..machine import machine_info, machine_line
 from ..models import load_model, load_tokenizer
 from ..models.runtime.memory import return_freed_memory
 from ..stats import Interval
@@ -72,7 +73,7 @@ def run_key(cfg: DictConfig, pair: str, method: str, artifacts: Path) -> str:
         e.pop(k, None)
     parts = {"pair": pair, "method": method, "evaluation": e,
              "tree": OmegaConf.to_container(cfg.tree, resolve=True), "dtype": cfg.pipeline.dtype,
-             "runtime": cfg.runtime, "middle_runtime": cfg.middle_runtime, "cpu": cpu_line(),
+             "runtime": cfg.runtime, "middle_runtime": cfg.middle_runtime, "cpu": machine_line([cfg.pipeline.device]),
              "device": cfg.pipeline.device, "warmup_tokens": cfg.pipeline.warmup_tokens,
              "warmup_repeats": cfg.pipeline.warmup_repeats}
     from ..llama_cpp.select import engine_settings
@@ -147,7 +148,7 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], pulle
                "tree_shape": cfg.tree.shape, "budget_setting": str(cfg.tree.budget),
                # bfloat16_packed: products wider than this many rows ran on oneDNN's copy (None: one kernel)
                "bf16_onednn_above": getattr(pair.target, "treegraft_bf16_max_rows", None),
-               **cpu_info()}
+               **machine_info(devices_of(pair.target, pair.middle))}
     target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
     on_llama = engine_info(pair)["engine"] == "llama_cpp"
     reuses = []

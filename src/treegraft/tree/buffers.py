@@ -107,7 +107,7 @@ def build_tree_inputs(tree: DraftTree, kept: list[int], context_len: int) -> Tre
     n = len(node_ids)
     parent_row = [-1] * n
     child_rows: list[dict[int, int]] = [{} for _ in range(n)]
-    mask = torch.zeros(n, n, dtype=torch.bool)
+    mask = torch.zeros(n, n, dtype=torch.bool, device="cpu")  # host data: an engine moves it
     mask[0, 0] = True
     for row in range(1, n):
         node = node_ids[row]
@@ -125,7 +125,7 @@ def build_tree_inputs(tree: DraftTree, kept: list[int], context_len: int) -> Tre
     positions = [context_len + d for d in depths]
     leaves = [row for row in range(n) if not child_rows[row]]
     max_depth = max(depths)
-    paths = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long)
+    paths = torch.full((len(leaves), max_depth + 1), -1, dtype=torch.long, device="cpu")
     for i, leaf in enumerate(leaves):
         chain = []
         r = leaf
@@ -133,13 +133,13 @@ def build_tree_inputs(tree: DraftTree, kept: list[int], context_len: int) -> Tre
             chain.append(r)
             r = parent_row[r]
         chain.reverse()
-        paths[i, : len(chain)] = torch.tensor(chain)
+        paths[i, : len(chain)] = torch.tensor(chain, device="cpu")
     return TreeInputs(
         node_ids=node_ids,
         token_ids=token_ids,
         positions=positions,
-        tokens=torch.tensor(token_ids, dtype=torch.long),
-        position_ids=torch.tensor(positions, dtype=torch.long),
+        tokens=torch.tensor(token_ids, dtype=torch.long, device="cpu"),
+        position_ids=torch.tensor(positions, dtype=torch.long, device="cpu"),
         ancestor_mask=mask,
         parent_row=parent_row,
         child_rows=child_rows,

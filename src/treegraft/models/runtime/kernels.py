@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ...machine import cpu_line
+from ...machine import machine_line
 from ...torch_ops import mkl_packing_available
 
 __all__ = ["KERNELS_VERSION", "AVX512_FLAGS", "KERNELS", "Kernel", "KernelBuildError", "build_kernel",
@@ -127,7 +127,10 @@ def _mkl_packing() -> bool:
     return mkl_packing_available()
 
 
-def runtime_cache_key(model_id: str, device: str | torch.device = "cpu") -> str:
-    """Machine + model: the CPU line (model name, ISA, bf16, threads, torch) and the model's identity."""
-    return f"{cpu_line()} | kernels v{KERNELS_VERSION} | {torch.device(device)} | {model_id}"
+def runtime_cache_key(model_id: str, device: str | torch.device | tuple = "cpu") -> str:
+    """Machine + model: the CPU line (model name, ISA, bf16, threads, torch), the GPUs the model runs on
+    (model and count, where ``device`` names any: one device or a tuple of them) and the model's identity."""
+    devices = tuple(device) if isinstance(device, (tuple, list)) else (device,)
+    where = ",".join(str(torch.device(d)) for d in devices)
+    return f"{machine_line(devices)} | kernels v{KERNELS_VERSION} | {where} | {model_id}"
 
