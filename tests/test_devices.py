@@ -209,3 +209,51 @@ def test_sampling_reads_one_per_visited_row(tiny_pair):
     marks.append(reads.total)
     for n, turn in zip([b - a for a, b in zip(marks, marks[1:])], out.turns):
         assert n <= READS_PER_MIDDLE_STEP * turn["middle_calls"] + turn["accepted"] + 3
+
+
+# ---------------------------------------------------------------- workers on GPUs
+def _note_gpus(context, pull, report):
+    """A spawned worker: writes which GPUs it sees and the jobs it pulled."""
+    import json
+    import os
+
+    jobs = list(pull)
+    Path(context, f"worker-{os.environ['CUDA_VISIBLE_DEVICES']}.json").write_text(json.dumps(jobs))
+    report(len(jobs))
+
+
+def test_gpu_workers_get_gpus_of_their_own_or_are_refused_in_one_line(tmp_path):
+    from treegraft.pipeline.parallel import WorkerSetupError, gpu_worker_groups, spawn_pull
+
+    assert gpu_worker_groups(4, 2, visible=8) == ["0,1", "2,3", "4,5", "6,7"]
+    assert gpu_worker_groups(1, 1, visible=1) == ["0"]
+    with pytest.raises(WorkerSetupError, match=r"workers=2 on CUDA needs 2 GPU\(s\) \(1 per worker.*1 visible") as err:
+        gpu_worker_groups(2, 1, visible=1)
+    assert "\n" not in str(err.value)
+    done = []
+    spawn_pull(_note_gpus, [str(tmp_path)] * 2, ["0", "1"], list(range(7)), [1.0] * 7, done.append)
+    import json
+
+    seen = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("worker-*.json")}
+    assert set(seen) == {"worker-0.json", "worker-1.json"}  # each its own CUDA_VISIBLE_DEVICES
+    assert sorted(seen["worker-0.json"] + seen["worker-1.json"]) == list(range(7)) and sum(done) == 7
+
+
+@pytest.mark.parametrize("stage", ["collect", "evaluate"])
+def test_two_workers_on_one_gpu_are_refused_before_loading(stage, tmp_path, monkeypatch):
+    from tests.conftest import compose
+    import treegraft.models as models
+    import treegraft.models.loading as loading
+    from treegraft.pipeline.collect import run_collect
+    from treegraft.pipeline.evaluate import run_evaluate
+    from treegraft.pipeline.parallel import WorkerSetupError
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    for module in (models, loading):
+        monkeypatch.setattr(module, "load_pair_from_settings", lambda *a, **k: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    extra = ["evaluation.methods=[ar,all_small]"] if stage == "evaluate" else []
+    cfg = compose(stage, [*extra, "experiment=smoke", "pipeline.device=cuda", "pipeline.workers=2",
+                          f"paths.output_dir={tmp_path}"])
+    with pytest.raises(WorkerSetupError, match="workers=2 on CUDA needs 2 GPU"):
+        (run_collect if stage == "collect" else run_evaluate)(cfg)

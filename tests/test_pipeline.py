@@ -428,6 +428,49 @@ def test_outputs_that_differ_from_ar_are_checked_for_a_near_tie_after_the_worker
     assert evaluate_mod.explain_mismatches(cfg, spec, paths) == 0 and len(loads) == 1
 
 
+def test_a_near_tie_check_that_fits_nowhere_is_recorded_unchecked_without_loading(tmp_path, monkeypatch):
+    """The float32 copy is never loaded where it does not fit (a Qwen3-32B in float32 is 131 GB): with no room
+    on the device or the host, the pending records say why and count as unchecked; with an offload folder,
+    accelerate places the copy (device_map with a disk entry)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    import treegraft.models.placement as placement_mod
+    import treegraft.pipeline.evaluate as evaluate_mod
+    from treegraft.models import PairSpec
+    from treegraft.pipeline.records import summarize_records
+
+    cfg = OmegaConf.create({"pipeline": {"device": "cpu"}, "paths": {"models_dir": str(tmp_path)},
+                            "evaluation": {"tie_tolerance": 0.5}, "placement": {"offload_folder": None}})
+    spec = PairSpec(name="tiny", target="tiny-random:0", middle="tiny-random:0")
+    assert evaluate_mod.near_tie_placement(cfg, spec) == ({"device": torch.device("cpu")}, None)  # it fits: whole
+    monkeypatch.setattr(placement_mod, "available_bytes", lambda placement, device: (1000, "nowhere"))
+    where, why = evaluate_mod.near_tie_placement(cfg, spec)
+    assert where is None and "a float32 copy of tiny-random:0 needs" in why and "\n" not in why
+    folder = tmp_path / "tiny" / "gsm8k"
+    folder.mkdir(parents=True)
+    rec = {"question_id": 3, "prompt_ids": [5, 9]}
+    (folder / "ar.jsonl").write_text(json.dumps({**rec, "tokens": [7, 7]}) + "\n")
+    pending = {**rec, "tokens": [7, 8], "matches_ar": False, "mismatch_explained": None, "mismatch_position": 1}
+    (folder / "treegraft.jsonl").write_text(json.dumps(pending) + "\n")
+    loads = []
+    monkeypatch.setattr(evaluate_mod, "load_model", lambda *a, **k: loads.append(a))
+    assert evaluate_mod.explain_mismatches(cfg, spec, [folder / "treegraft.jsonl"]) == 0 and loads == []
+    out = json.loads((folder / "treegraft.jsonl").read_text())
+    assert out["mismatch_check"] == f"unchecked: {why}" and out["mismatch_explained"] is None
+    assert evaluate_mod.explain_mismatches(cfg, spec, [folder / "treegraft.jsonl"]) == 0  # not retried
+    cfg.placement.offload_folder = str(tmp_path / "offload")
+    where, why = evaluate_mod.near_tie_placement(cfg, spec)
+    assert why is None and where["device_map"] == "auto" and where["offload_folder"] == str(tmp_path / "offload")
+    frame = pd.DataFrame([{"pair": "tiny", "benchmark": "gsm8k", "method": "treegraft", "question_id": 3,
+                           "new_tokens": 2, "wall_time": 1.0, "turns": 1, "accepted_sum": 1, "middle_calls": 0,
+                           "steps": 5, "matches_ar": False, "mismatch_explained": None, "mismatch_unchecked": True,
+                           "t_small_s": 0.1, "t_middle_s": 0.0, "t_verify_s": 0.8, "t_other_s": 0.1, "mean_budget": 4.0,
+                           "runtime": "float32", "tree_shape": "auto", "cpu": "x", "cpu_capability": "AVX2"}])
+    row = summarize_records(frame).iloc[0]
+    assert row["mismatches"] == 1 and row["mismatches_unexplained"] == 1 and row["mismatches_unchecked"] == 1
+
+
 def test_tables_and_figures_from_saved_records_alone(smoke, tmp_path):
     _, out, *_ = smoke
     exp = out / "pipeline" / "smoke"

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 __all__ = ["input_device", "output_device", "model_devices", "devices_of", "device_tensor", "synchronize", "Clock", "now",
-           "device_line", "device_info", "cuda_devices"]
+           "device_line", "device_info", "cuda_devices", "reset_peak_memory", "peak_memory"]
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -117,6 +117,17 @@ class Clock:
         for device in self.devices:
             _sync_one(device)
         return time.perf_counter()
+
+
+def reset_peak_memory(devices: Iterable[torch.device]) -> None:
+    """Start counting the peak allocated memory afresh on the CUDA devices among ``devices``."""
+    for device in cuda_devices(devices):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory(devices: Iterable[torch.device]) -> dict[str, int]:
+    """Peak bytes allocated by PyTorch on each CUDA device among ``devices`` since the last reset ({} on a CPU)."""
+    return {str(device): int(torch.cuda.max_memory_allocated(device)) for device in cuda_devices(devices)}
 
 
 _HOST_CLOCK = Clock()

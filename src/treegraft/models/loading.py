@@ -316,15 +316,17 @@ def load_pair(
     target's modules and so its runtime.
 
     ``placement`` (:class:`~treegraft.models.placement.Placement`): a split target and where the middle
-    drafter goes. Its ``device_map`` applies on CUDA, and on a CPU where ``max_memory`` is given (offload) or
-    the map is explicit; a plain CPU run keeps the whole pair in host memory with its runtime kernels. On
+    drafter goes. Its ``device_map`` applies on ``cuda`` (every visible GPU), and on a CPU or one indexed GPU
+    where ``max_memory`` is given (offload) or the map is explicit; a plain CPU run keeps the whole pair in
+    host memory with its runtime kernels. On
     CUDA, or with ``max_memory``, the pair is first checked against the memory it may use at ``kv_tokens``
     positions (:func:`~treegraft.models.placement.check_fits`), before any weight is read.
     """
     placement = placement or Placement()
     device = torch.device(device)
-    split = placement.device_map is not None and (
-        device.type == "cuda" or placement.max_memory is not None or isinstance(placement.device_map, dict))
+    split = placement.device_map is not None and ((device.type == "cuda" and device.index is None)
+                                                  or placement.max_memory is not None
+                                                  or isinstance(placement.device_map, dict))
     if device.type == "cuda" or placement.max_memory is not None:
         stock = resolve_dtype(dtype) if runtime in (None, "auto") else runtime_load_dtype(runtime)
         check_fits(spec, stock, device, placement if split else Placement(None, placement.max_memory, placement.middle),
@@ -372,7 +374,7 @@ def load_pair_from_settings(spec: PairSpec, settings, device: str | torch.device
     return load_pair(spec, device=device, models_dir=settings.paths.models_dir,
                      runtime=effective_runtime(settings.runtime, dtype), cache_dir=settings.paths.cache_dir, log=log,
                      middle_runtime=settings.middle_runtime, placement=placement_from(getattr(settings, "placement", None)),
-                     kv_tokens=int(getattr(settings, "kv_tokens", None) or 4096))
+                     kv_tokens=int(getattr(getattr(settings, "placement", None), "kv_tokens", None) or 4096))
 
 
 def placement_from(settings) -> Placement:

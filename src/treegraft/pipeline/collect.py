@@ -279,12 +279,52 @@ def pair_is_collected(cfg, collect_dir: Path, pair: str) -> bool:
 
 def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None) -> None:
     """Load a pair, measure its runtime context (runtime.json), then decode and enumerate every prompt
-    not collected yet, one shard per prompt."""
+    not collected yet, one shard per prompt. On CUDA with ``workers`` > 1, one spawned worker per GPU
+    (group) does all of that with a pair of its own (:func:`_collect_on_gpus`)."""
     import sys
 
+    import torch
     from tqdm.auto import tqdm
 
-    from ..llama_cpp.select import engine_decoder, engine_info, engine_workers, load_engine_pair
+    from ..llama_cpp.select import engine_workers
+    from .common import pair_spec, stage_prompts
+    from .parallel import gpu_worker_groups, spawn_pull
+
+    p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
+    on_gpus = torch.device(p.device).type == "cuda" and int(p.get("workers") or 1) > 1
+    if on_gpus:  # refused here, before any model is loaded, when the GPUs are too few
+        groups = gpu_worker_groups(p.workers, p.get("gpus_per_worker", 1))
+        pair = decoder = None
+        from ..models import load_tokenizer
+
+        tokenizer = load_tokenizer(pair_spec(pair_name).target, cfg.paths.models_dir)
+    else:
+        pair, decoder = _collect_setup(cfg, pair_name, collect_dir, console)
+        tokenizer = pair.tokenizer
+    prompts = {b: stage_prompts(cfg, tokenizer, b, int(pp.prompts_per_benchmark), int(p.prompt_offset))
+               for b in p.fit_benchmarks}
+    jobs = [(b, qid, ids) for b, items in prompts.items() for qid, ids in items]
+    todo = [job for job in jobs if not shard_path(collect_dir, pair_name, job[0], job[1]).exists()]
+    if len(todo) < len(jobs):  # finished before an interruption
+        console.print(f"{pair_name}: {len(jobs) - len(todo)} prompt(s) already collected, skipped")
+    weights = [len(ids) + 4 * int(pp.max_new_tokens) for _, _, ids in todo]
+    workers = min(len(groups) if on_gpus else engine_workers(pair, p.workers), max(1, len(todo)))
+    bar = None if progress is not None else tqdm(total=len(todo), desc=f"collect {pair_name} ({workers} worker(s))",
+                                                 file=sys.stderr)
+    if on_gpus:
+        context = (OmegaConf.to_container(cfg, resolve=True), pair_name, str(collect_dir))
+        spawn_pull(_collect_on_gpus, [context] * workers, groups[:workers], todo, weights, progress or bar.update)
+    else:
+        fork_pull(lambda group, report: _collect_prompts(decoder, pp, pair_name, collect_dir, group, report),
+                  todo, weights, workers, progress or bar.update)
+    if bar is not None:
+        bar.close()
+
+
+def _collect_setup(cfg, pair_name: str, collect_dir: Path, console):
+    """The pair, its `fixed` decoder (eager middle prefill), and its runtime context measured and written
+    to ``runtime.json``."""
+    from ..llama_cpp.select import engine_decoder, engine_info, load_engine_pair
     from .common import pair_spec, stage_prompts
 
     p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
@@ -294,9 +334,8 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     pair = load_engine_pair(pair_spec(pair_name), cfg, log=console.print, device=p.device, dtype=p.dtype)
     decoder = engine_decoder("fixed", pair, tree, cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True)
     budget = decoder.budget()
-    prompts = {b: stage_prompts(cfg, pair.tokenizer, b, int(pp.prompts_per_benchmark), int(p.prompt_offset))
-               for b in p.fit_benchmarks}
-    warm_ids = next(iter(prompts.values()))[0][1]
+    first = p.fit_benchmarks[0]
+    warm_ids = stage_prompts(cfg, pair.tokenizer, first, int(pp.prompts_per_benchmark), int(p.prompt_offset))[0][1]
     # runtime context, not used as data: medians over repeated all-call warm-ups
     t_tgt, t_mid = decoder.warm_up(warm_ids, int(p.warmup_tokens), repeats=int(p.get("warmup_repeats", 1)))
     # the report's figure, and budget=auto's (the same measurement, cached once)
@@ -310,26 +349,29 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
                       collect_dir / pair_name / "runtime.json")
     console.print(f"[bold]{pair_name}[/]: runtime {pair.runtime} (middle drafter {pair.middle_runtime}), planned B_ver={budget} ({cfg.tree.budget}), "
                   f"t_tgt={t_tgt:.1f} ms, t_mid={t_mid:.1f} ms")
-    jobs = [(b, qid, ids) for b, items in prompts.items() for qid, ids in items]
-    todo = [job for job in jobs if not shard_path(collect_dir, pair_name, job[0], job[1]).exists()]
-    if len(todo) < len(jobs):  # finished before an interruption
-        console.print(f"{pair_name}: {len(jobs) - len(todo)} prompt(s) already collected, skipped")
+    return pair, decoder
 
-    def collect_prompts(group, report) -> None:  # one worker's prompts (a forked copy of the decoder)
-        for bench, qid, ids in group:
-            meta = {"pair": pair_name, "benchmark": bench, "report": f"{pair_name}/{bench}", "question_id": qid}
-            rows = run_prompt(decoder, ids, pp, meta)
-            if rows:
-                atomic_write_parquet(pd.DataFrame(rows), shard_path(collect_dir, pair_name, bench, qid))
-            report(1)
 
-    workers = min(engine_workers(pair, p.workers), len(todo))
-    bar = None if progress is not None else tqdm(total=len(todo), desc=f"collect {pair_name} ({workers} worker(s))",
-                                                 file=sys.stderr)
-    fork_pull(collect_prompts, todo, [len(ids) + 4 * int(pp.max_new_tokens) for _, _, ids in todo], workers,
-              progress or bar.update)
-    if bar is not None:
-        bar.close()
+def _collect_prompts(decoder, pp, pair_name: str, collect_dir: Path, group, report) -> None:
+    """One worker's prompts: decode and enumerate each, one shard per prompt."""
+    for bench, qid, ids in group:
+        meta = {"pair": pair_name, "benchmark": bench, "report": f"{pair_name}/{bench}", "question_id": qid}
+        rows = run_prompt(decoder, ids, pp, meta)
+        if rows:
+            atomic_write_parquet(pd.DataFrame(rows), shard_path(collect_dir, pair_name, bench, qid))
+        report(1)
+
+
+def _collect_on_gpus(context: tuple, pull, report) -> None:
+    """One spawned GPU worker of :func:`_collect_pair`: its own pair and runtime context on the GPUs it
+    sees (each worker's ``runtime.json`` is a measurement of the same pair; the last one written stays),
+    then the prompts it pulls."""
+    from rich.console import Console
+
+    cfg_dict, pair_name, collect_dir = context
+    cfg = OmegaConf.create(cfg_dict)
+    pair, decoder = _collect_setup(cfg, pair_name, Path(collect_dir), Console(stderr=True))
+    _collect_prompts(decoder, pair_settings(cfg.pipeline, pair_name), pair_name, Path(collect_dir), pull, report)
 
 
 def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict) -> list[dict]:

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 import pandas as pd
+import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
 from tqdm.auto import tqdm
@@ -31,7 +32,7 @@ from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, load_learned_
 from ..llama_cpp.select import engine_decoder, engine_info, engine_workers, load_engine_pair
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
-from ..devices import devices_of
+from ..devices import devices_of, peak_memory, reset_peak_memory
 from ..machine import machine_info, machine_line
 from ..models import load_model, load_tokenizer
 from ..models.runtime.memory import return_freed_memory
@@ -40,7 +41,7 @@ from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_tex
 from .common import fold_intervals, pair_spec, print_table, stage_prompts, stage_records
 from .estimates import PromptTable, method_intervals
 from .records import make_record, read_records, summarize_records
-from .parallel import fork_pull, one_thread_with_workers
+from .parallel import fork_pull, gpu_worker_groups, one_thread_with_workers, spawn_pull
 from .tracking import stage_logger
 from ..devices import now
 
@@ -328,22 +329,100 @@ def _evaluate_prompts(cfg: DictConfig, progress=None) -> None:
             console.print(f"{pair_name}: every record is saved and up to date")
             explain_mismatches(cfg, spec, sorted(set(paths.values())), console)  # any an interruption left pending
             continue
-        pair = load_engine_pair(spec, cfg, log=console.print, device=p.device, dtype=p.dtype)
         units = {b: sum(q not in saved[b, m] for m in methods for q, _ in method_prompts(cfg, m, prompts[b]))
                  for b in todo_benches}
         cost = {b: units[b] * (1 + sum(len(ids) for _, ids in prompts[b]) / 1000) for b in todo_benches}
-        workers = min(engine_workers(pair, p.workers), len(todo_benches))
+        on_gpus = torch.device(p.device).type == "cuda" and int(p.get("workers") or 1) > 1
+        if on_gpus:  # one spawned worker per GPU (group), each loading its own pair (refused here if too few GPUs)
+            groups = gpu_worker_groups(p.workers, p.get("gpus_per_worker", 1))[: len(todo_benches)]
+            workers = len(groups)
+        else:
+            pair = load_engine_pair(spec, cfg, log=console.print, device=p.device, dtype=p.dtype)
+            workers = min(engine_workers(pair, p.workers), len(todo_benches))
         bar = None
         if progress is None:
             bar = tqdm(total=sum(units.values()), desc=f"evaluate {pair_name} ({workers} worker(s))", file=sys.stderr)
-        fork_pull(lambda pull, report: _evaluate_benchmarks(cfg, pair, pair_name, todo_benches, pull, prompts, categories,
-                                                            saved, paths, keys, methods, schedulers, sampling, report),
-                  todo_benches, [cost[b] for b in todo_benches], workers, progress or bar.update)
+        if on_gpus:
+            context = (OmegaConf.to_container(cfg, resolve=True), pair_name, todo_benches, prompts, categories, saved,
+                       paths, keys, methods, str(artifacts), sampling)
+            spawn_pull(_evaluate_on_gpus, [context] * workers, groups, todo_benches, [cost[b] for b in todo_benches],
+                       progress or bar.update)
+        else:
+            reset_peak_memory(devices_of(pair.target, pair.middle))
+            fork_pull(lambda pull, report: _evaluate_benchmarks(cfg, pair, pair_name, todo_benches, pull, prompts,
+                                                                categories, saved, paths, keys, methods, schedulers,
+                                                                sampling, report),
+                      todo_benches, [cost[b] for b in todo_benches], workers, progress or bar.update)
+            _record_gpu_peak(pair, out_dir / pair_name, console)
+            del pair
         if bar is not None:
             bar.close()
-        del pair
         return_freed_memory()
         explain_mismatches(cfg, spec, sorted(set(paths.values())), console)
+
+
+def _record_gpu_peak(pair, folder: Path, console=None) -> None:
+    """The peak GPU memory of a pair's evaluation, per device, in ``gpu_memory[.<gpus>].json`` (nothing on a CPU)."""
+    import os
+
+    peak = peak_memory(devices_of(pair.target, pair.middle))
+    if not peak:
+        return
+    gpus = os.environ.get("CUDA_VISIBLE_DEVICES")
+    info = {"pair": pair.spec.name, "peak_bytes": peak, "cuda_visible_devices": gpus,
+            **machine_info(devices_of(pair.target, pair.middle))}
+    atomic_write_json(info, folder / (f"gpu_memory.{gpus.replace(',', '-')}.json" if gpus else "gpu_memory.json"))
+    if console is not None:
+        console.print(f"{pair.spec.name}: peak GPU memory " + ", ".join(f"{d} {b / 1e9:.1f} GB" for d, b in peak.items()))
+
+
+def _evaluate_on_gpus(context: tuple, pull, report) -> None:
+    """One spawned GPU worker of :func:`_evaluate_prompts`: its own pair on the GPUs it sees, then the
+    benchmarks it pulls (the same :func:`_evaluate_benchmarks` as a forked worker)."""
+    cfg_dict, pair_name, benchmarks, prompts, categories, saved, paths, keys, methods, artifacts, sampling = context
+    cfg = OmegaConf.create(cfg_dict)
+    bases = dict.fromkeys(parse_method(m)[0] for m in methods)
+    schedulers = {m: load_learned_scheduler(m, Path(artifacts)) for m in bases if m in LEARNED_METHODS}
+    pair = load_engine_pair(pair_spec(pair_name), cfg, log=print, device=cfg.pipeline.device, dtype=cfg.pipeline.dtype)
+    reset_peak_memory(devices_of(pair.target, pair.middle))
+    _evaluate_benchmarks(cfg, pair, pair_name, benchmarks, pull, prompts, categories, saved, paths, keys, methods,
+                         schedulers, sampling, report)
+    _record_gpu_peak(pair, paths[benchmarks[0], methods[0]].parent.parent)
+
+
+def near_tie_placement(cfg: DictConfig, spec) -> tuple[dict | None, str | None]:
+    """Where the float32 copy of ``spec``'s target for the near-tie check goes: ``(load_model keyword
+    arguments, None)``, or ``(None, reason)`` when it fits nowhere it may go. Whole on the stage's device
+    where its weights (and a ``kv_tokens`` cache) fit the free memory there; else split by accelerate over
+    every GPU and the host's available memory, and the disk where ``placement.offload_folder`` is set;
+    never a copy that does not fit (a Qwen3-32B in float32 is 131 GB)."""
+    from ..models.loading import placement_from
+    from ..models.placement import Placement, available_bytes, estimate_pair_memory
+
+    device = torch.device(cfg.pipeline.device)
+    placement = placement_from(cfg.get("placement"))
+    tokens = int((cfg.get("placement") or {}).get("kv_tokens", None) or 4096)
+    target_only = type(spec)(name=spec.name, target=spec.target, self_draft_layers=1)
+    estimate = estimate_pair_memory(target_only, torch.float32, tokens, cfg.paths.models_dir)
+    need = int(1.1 * (estimate.target_weights + estimate.kv_cache))
+    whole, _ = available_bytes(Placement(None), device)
+    if need <= whole:
+        return {"device": device}, None
+    memory, where = {}, []
+    if device.type == "cuda":
+        for i in range(torch.cuda.device_count()):
+            memory[i] = int(0.9 * torch.cuda.mem_get_info(i)[0])
+        where.append(f"{len(memory)} GPU(s) {sum(memory.values()) / 1e9:.1f} GB free")
+    host, _ = available_bytes(Placement(None), "cpu")
+    memory["cpu"] = int(0.8 * host)
+    where.append(f"host {memory['cpu'] / 1e9:.1f} GB")
+    if placement.offload_folder:
+        return {"device": device, "device_map": "auto", "max_memory": memory,
+                "offload_folder": str(placement.offload_folder)}, None
+    if need <= sum(memory.values()):
+        return {"device": device, "device_map": "auto", "max_memory": memory}, None
+    return None, (f"a float32 copy of {spec.target} needs {need / 1e9:.1f} GB, {' + '.join(where)} available "
+                  "(set placement.offload_folder to offload it to disk)")
 
 
 def explain_mismatches(cfg: DictConfig, spec, paths: list[Path], console=None) -> int:
@@ -354,16 +433,28 @@ def explain_mismatches(cfg: DictConfig, spec, paths: list[Path], console=None) -
     It runs after a pair's workers are done, in this process, with one float32 copy of the target loaded
     only when something is pending: loaded by each worker at its first mismatch, that copy put 6 GB of
     checkpoint pages into every worker's resident set (18.9 GB at the peak on the 1.5B pair) and took
-    seconds of CPU in the middle of the other worker's timed generations."""
+    seconds of CPU in the middle of the other worker's timed generations. The copy goes where it fits
+    (:func:`near_tie_placement`); where it fits nowhere, each pending record is marked ``mismatch_check:
+    "unchecked: <reason>"`` (counted as unchecked in the summary, not retried) and nothing is loaded."""
     pending: dict[Path, list[dict]] = {}
     for path in paths:
         if path.exists() and path.name != "ar.jsonl":
             records = [json.loads(line) for line in path.read_text().splitlines()]
-            if any(r.get("matches_ar") is False and r.get("mismatch_explained") is None for r in records):
+            if any(_pending(r) for r in records):
                 pending[path] = records
     if not pending:
         return 0
-    target = load_model(spec.target, "float32", cfg.pipeline.device, cfg.paths.models_dir)
+    where, why = near_tie_placement(cfg, spec)
+    if where is None:
+        for path, records in pending.items():
+            for r in records:
+                if _pending(r):
+                    r["mismatch_check"] = f"unchecked: {why}"
+            _write_records(records, path)
+        if console is not None:
+            console.print(f"{spec.name}: outputs that differ from ar left unchecked: {why}")
+        return 0
+    target = load_model(spec.target, "float32", models_dir=cfg.paths.models_dir, **where)
     decided = 0
     references: dict[Path, dict] = {}  # benchmark folder -> ar's records by question id, read once
     for path, records in pending.items():
@@ -374,7 +465,7 @@ def explain_mismatches(cfg: DictConfig, spec, paths: list[Path], console=None) -
         reference = references[path.parent]
         for r in records:
             ref = reference.get(r["question_id"])
-            if r.get("matches_ar") is not False or r.get("mismatch_explained") is not None or ref is None:
+            if not _pending(r) or ref is None:
                 continue
             rep = compare_outputs(ref["tokens"], r["tokens"], r["prompt_ids"], target, float(cfg.evaluation.tie_tolerance))
             r["matches_ar"], r["mismatch_explained"] = rep.equal, rep.explained_by_tie
@@ -386,6 +477,12 @@ def explain_mismatches(cfg: DictConfig, spec, paths: list[Path], console=None) -
     if console is not None:
         console.print(f"{spec.name}: {decided} output(s) that differ from ar checked for a float32 near-tie")
     return decided
+
+
+def _pending(record: dict) -> bool:
+    """A greedy output that differs from ``ar``'s and waits for the near-tie check."""
+    return (record.get("matches_ar") is False and record.get("mismatch_explained") is None
+            and "mismatch_check" not in record)
 
 
 def _summarize(cfg: DictConfig, out_dir: Path, console) -> pd.DataFrame:

@@ -11,6 +11,10 @@ the parent through a queue, so one progress bar covers every worker.
 Both workers run at once, so their forwards share the memory bus: every method of a pair is measured
 under the same contention (methods are interleaved prompt by prompt inside each worker), which keeps
 speedups comparable; absolute tokens/s are those of a loaded machine.
+
+On CUDA a worker is a GPU (or a group of GPUs for a pair split over several): a process that already
+holds CUDA state cannot be forked, so :func:`spawn_pull` starts fresh processes, each seeing only its own
+GPUs (``CUDA_VISIBLE_DEVICES``) and loading its own pair, and pulling jobs from the same kind of queue.
 """
 
 from __future__ import annotations
@@ -22,7 +26,12 @@ import queue
 import traceback
 from typing import Callable, Iterator, Sequence
 
-__all__ = ["fork_map", "fork_pull", "one_thread_if_forking", "one_thread_with_workers"]
+__all__ = ["fork_map", "fork_pull", "one_thread_if_forking", "one_thread_with_workers", "gpu_worker_groups",
+           "spawn_pull", "WorkerSetupError"]
+
+
+class WorkerSetupError(ValueError):
+    """The workers asked for cannot run on this machine (one line: what was asked, what is there)."""
 
 
 @contextlib.contextmanager
@@ -128,3 +137,69 @@ def fork_map(fn: Callable[[list, Callable[[int], None]], None], groups: list[lis
         p.join(timeout=30)
     if errors:
         raise RuntimeError("a parallel worker failed:\n" + "\n".join(errors))
+
+
+def gpu_worker_groups(workers: int, gpus_per_worker: int = 1, visible: int | None = None) -> list[str]:
+    """``CUDA_VISIBLE_DEVICES`` of each of ``workers`` GPU workers, ``gpus_per_worker`` GPUs each (a pair
+    split over several); one line when the GPUs visible here cannot give every worker its own."""
+    import torch
+
+    workers, per = max(1, int(workers)), max(1, int(gpus_per_worker))
+    visible = torch.cuda.device_count() if visible is None else int(visible)
+    if workers * per > visible:
+        raise WorkerSetupError(f"workers={workers} on CUDA needs {workers * per} GPU(s) ({per} per worker: each worker "
+                               f"loads its own pair on GPUs of its own), {visible} visible; set pipeline.workers="
+                               f"{max(1, visible // per)} or pipeline.gpus_per_worker")
+    return [",".join(str(w * per + g) for g in range(per)) for w in range(workers)]
+
+
+def _spawned(fn, context, gpus: str, todo, q) -> None:
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before the first CUDA call of this fresh process
+
+    def pull() -> Iterator:
+        while (job := todo.get()) is not None:
+            yield job
+
+    try:
+        fn(context, pull(), lambda n=1: q.put(("progress", n)))
+        q.put(("done", None))
+    except BaseException:
+        q.put(("error", traceback.format_exc()))
+
+
+def spawn_pull(fn: Callable, contexts: Sequence, groups: Sequence[str], jobs: Sequence, weights: Sequence[float],
+               progress: Callable[[int], None] | None = None) -> None:
+    """Run ``fn(context, pull, report)`` in one spawned process per GPU group (``groups[i]`` becomes its
+    ``CUDA_VISIBLE_DEVICES``), all pulling ``jobs`` (heaviest first) from one queue. ``fn`` and every
+    context must pickle (a module-level function, plain data): a spawned process starts from nothing."""
+    progress = progress or (lambda n: None)
+    ctx = mp.get_context("spawn")
+    todo, q = ctx.Queue(), ctx.Queue()
+    for job, _ in sorted(zip(jobs, weights), key=lambda jw: -jw[1]):
+        todo.put(job)
+    for _ in groups:
+        todo.put(None)
+    procs = [ctx.Process(target=_spawned, args=(fn, c, g, todo, q), daemon=True) for c, g in zip(contexts, groups)]
+    for p in procs:
+        p.start()
+    running, errors = len(procs), []
+    while running:
+        try:
+            kind, value = q.get(timeout=5.0)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                errors.append(f"a GPU worker stopped without reporting (exit codes {[p.exitcode for p in procs]})")
+                break
+            continue
+        if kind == "progress":
+            progress(value)
+        else:
+            running -= 1
+            if kind == "error":
+                errors.append(value)
+    for p in procs:
+        p.join(timeout=60)
+    if errors:
+        raise RuntimeError("a GPU worker failed:\n" + "\n".join(errors))
