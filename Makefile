@@ -27,7 +27,7 @@ PROMPT ?= Write a Python function that checks whether a number is prime.
 MAX_NEW_TOKENS ?= 128
 
 .DEFAULT_GOAL := help
-.PHONY: help all setup llamacpp models demo test test-all test-models bench-models clean-models collect fit distill evaluate tables figures
+.PHONY: help all setup llamacpp models demo test test-all test-models gpu-smoke bench-models clean-models collect fit distill evaluate tables figures
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -120,6 +120,9 @@ test-all: ## every test, the slow twins of CI's tests included
 test test-all:
 	@$(MAKE) --no-print-directory -j$(SETUP_JOBS) $(TEST_PREREQS) test-models
 	TREEGRAFT_STRICT_KERNELS=1 $(VPY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(if $(filter test,$@),-m "not slow")
+
+gpu-smoke: $(VENV)/.deps test-models ## on a CUDA machine (<10 min): every method on GPU vs ar, syncs/turn, KV, timing, memory, sampling, the smoke pipeline; one line and exit 0 without CUDA
+	$(VPY) scripts/gpu_smoke.py
 
 bench-models: models ## measure load time, forward latency and self-draft agreement of the converted models
 	$(VPY) scripts/bench_models.py

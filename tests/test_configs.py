@@ -16,7 +16,7 @@ from .conftest import compose
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
 
 
-DEFAULT_GROUPS = {"pair", "method", "paths", "tree", "engine"}
+DEFAULT_GROUPS = {"pair", "method", "paths", "tree", "engine", "placement"}
 # groups that only the pipeline's primary configs list (`evaluate` lists them all)
 PIPELINE_GROUPS = {"pipeline", "scheduler", "evaluation", "logger", "experiment"}
 
@@ -59,6 +59,10 @@ def test_group_option_composes_and_instantiates(group, option):
     if group == "tree":
         tree = tree_config_from("all_small", resolved)
         assert tree.depth >= 1 and tree.ngram.max_n >= 1
+    if group == "placement":
+        from treegraft.models.loading import placement_from
+
+        assert placement_from(node).device_map == resolved["device_map"] and resolved["kv_tokens"] > 0
 
 
 def test_an_unknown_tree_setting_is_an_error_naming_it():
