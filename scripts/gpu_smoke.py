@@ -12,15 +12,16 @@ from its GGUF, in bfloat16), with the default tree config, placement device_map=
   * every method (ar, all_small, all_mid, fixed, csd, treegraft with a scheduler, hf_assisted,
     hf_prompt_lookup), with and without a draft vocabulary: greedy output equal to ar's, or differing at a
     float32 near-tie (top-2 logit gap <= 0.5) only;
-  * host-device synchronizations per turn under torch.cuda.set_sync_debug_mode("warn") (every blocking
-    call warns), and host reads per turn (treegraft.hostreads);
+  * host-device synchronizations per turn under torch.cuda.set_sync_debug_mode("warn") (host reads and
+    blocking copies warn), the clock's own waits for a busy stream, and host reads per turn (treegraft.hostreads);
   * the KV caches after many keep/rollback turns against a fresh forward over the emitted text;
   * the decoder's synchronized t_tgt (the scheduler's runtime context) against the same forward timed
     with CUDA events;
   * peak GPU memory over the pair's decoders;
   * on the tiny pair, the sampling check: the first token's distribution under all_mid equals the
     target's (chi-square, CUDA generator).
-Then collect -> fit -> distill -> evaluate on EXPERIMENT=smoke with pipeline.device=cuda and
+The tiny pair once more with its target split between the GPU and the CPU (max_memory with a cpu entry)
+and the middle drafter spread by accelerate: every method against the unsplit ar. Then collect -> fit -> distill -> evaluate on EXPERIMENT=smoke with pipeline.device=cuda and
 pipeline.dtype=bfloat16. Writes outputs/gpu_smoke/<gpu>.json.
 """
 
@@ -71,14 +72,23 @@ def random_scheduler(depth: int):
 
 
 def count_syncs(device: torch.device):
-    """A context counting blocking CUDA calls (set_sync_debug_mode("warn")): .n after the block."""
+    """A context counting blocking CUDA calls: ``.n``, those set_sync_debug_mode("warn") reports (host reads,
+    blocking copies), and ``.clock``, the clock's own waits for a busy stream before a timed read
+    (``torch.cuda.synchronize``, which that mode does not report)."""
     class Counter:
-        n = 0
+        n = clock = 0
 
         def __enter__(self):
             self._w = warnings.catch_warnings(record=True)
             self.caught = self._w.__enter__()
             warnings.simplefilter("always")
+            self._sync = torch.cuda.synchronize
+
+            def counted(*args, **kwargs):
+                self.clock += 1
+                return self._sync(*args, **kwargs)
+
+            torch.cuda.synchronize = counted
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("warn")
             return self
@@ -86,6 +96,7 @@ def count_syncs(device: torch.device):
         def __exit__(self, *exc):
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.synchronize = self._sync
             self.n = sum(1 for w in self.caught if SYNC_WARNING.search(str(w.message)))
             return self._w.__exit__(*exc)
 
@@ -141,6 +152,32 @@ def event_forward_ms(model, context: list[int], rows: int, device: torch.device)
     return statistics.median(times)
 
 
+def check_offloaded(device: torch.device, max_new: int, rows: list[dict]) -> None:
+    """The tiny target split between the GPU and the CPU (accelerate's hooks, max_memory with a cpu entry), the
+    middle drafter spread by accelerate: every method against the unsplit ar (the split and offload paths on
+    a machine of one GPU)."""
+    from treegraft.decoding.factory import decoder_for
+    from treegraft.models import PairSpec, load_pair
+    from treegraft.models.placement import Placement
+
+    spec = PairSpec(name="tiny-split", target="tiny-random:0", middle="tiny-random:1")
+    whole = load_pair(spec, device=device)
+    prompt = list(range(5, 45)) + list(range(5, 25))
+    reference = decoder_for("ar", whole.target, None, whole.tokenizer).generate(prompt, max_new).tokens
+    pair = load_pair(spec, device="cuda", placement=Placement("auto", {0: "300KB", "cpu": "2GB"}, middle="auto"))
+    where = sorted(set(map(str, pair.target.hf_device_map.values())))
+    bad = []
+    for method in METHODS:
+        for draft_vocab in (None, 64):
+            dec = decoder_for(method, pair.target, pair.middle, pair.tokenizer, {"draft_vocab": draft_vocab},
+                              scheduler=random_scheduler(5) if method == "treegraft" else None)
+            if dec.generate(prompt, max_new).tokens != reference:
+                bad.append(f"{method}/{draft_vocab}")
+    rows.append({"pair": "tiny-random", "check": "offload", "method": "all", "ok": not bad and len(where) > 1,
+                 "detail": f"target over {where}: {'every method equals ar' if not bad else 'differ: ' + ', '.join(bad)}"})
+    print(f"  {'ok  ' if rows[-1]['ok'] else 'FAIL'} offload    all                    {rows[-1]['detail']}", flush=True)
+
+
 def check_pair(name: str, device: torch.device, max_new: int, rows: list[dict]) -> None:
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
@@ -181,18 +218,19 @@ def check_pair(name: str, device: torch.device, max_new: int, rows: list[dict]) 
             dec = decoder_for(method, pair.target, pair.middle, pair.tokenizer, {"draft_vocab": draft_vocab},
                               SamplingConfig(), scheduler=scheduler)
             dec.generate(prompts[0], 8)  # warm-up: kernels, the verification curve, the frequent tokens
-            unexplained, gaps, syncs, reads, turns = 0, [], 0, 0, 0
+            unexplained, gaps, syncs, waits, reads, turns = 0, [], 0, 0, 0, 0
             for prompt, ref in zip(prompts, reference):
                 with count_syncs(device) as s, count_host_reads() as r:
                     out = dec.generate(prompt, max_new)
-                syncs, reads, turns = syncs + s.n, reads + r.total, turns + max(1, len(out.turns) or len(out.tokens))
+                syncs, waits, reads = syncs + s.n, waits + s.clock, reads + r.total
+                turns += max(1, len(out.turns) or len(out.tokens))
                 rep = compare_outputs(ref, out.tokens, prompt, fp32, 0.5)
                 unexplained += not rep.explained_by_tie
                 if not rep.equal:
                     gaps.append(rep.top2_gap)
             row("equality", label, unexplained == 0,
-                f"{len(prompts) - len(gaps)}/{len(prompts)} equal, near-ties {gaps}; syncs/turn {syncs / turns:.1f}, "
-                f"host reads/turn {reads / turns:.1f}")
+                f"{len(prompts) - len(gaps)}/{len(prompts)} equal, near-ties {gaps}; syncs/turn {syncs / turns:.1f} "
+                f"(+ clock waits {waits / turns:.1f}), host reads/turn {reads / turns:.1f}")
     # KV caches after many keep/rollback turns
     dec = decoder_for("all_mid", pair.target, pair.middle, pair.tokenizer, {"budget": 20})
     final = {}
@@ -291,6 +329,8 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for name in args.pairs:
         check_pair(name, device, args.max_new_tokens, rows)
+    if device.type == "cuda":
+        check_offloaded(device, args.max_new_tokens, rows)
     if not args.no_pipeline:
         check_pipeline(device, rows)
     table = Table(title=f"gpu-smoke: {line}")

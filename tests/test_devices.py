@@ -227,6 +227,9 @@ def test_gpu_workers_get_gpus_of_their_own_or_are_refused_in_one_line(tmp_path):
 
     assert gpu_worker_groups(4, 2, visible=8) == ["0,1", "2,3", "4,5", "6,7"]
     assert gpu_worker_groups(1, 1, visible=1) == ["0"]
+    with pytest.MonkeyPatch.context() as mp:  # a SLURM job's GPUs keep their names
+        mp.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+        assert gpu_worker_groups(2, 2, visible=4) == ["4,5", "6,7"]
     with pytest.raises(WorkerSetupError, match=r"workers=2 on CUDA needs 2 GPU\(s\) \(1 per worker.*1 visible") as err:
         gpu_worker_groups(2, 1, visible=1)
     assert "\n" not in str(err.value)

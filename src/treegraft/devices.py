@@ -33,7 +33,8 @@ def _module_device(module: nn.Module) -> torch.device:
     """Where ``module`` computes: accelerate's execution device when a hook moves its weights in (CPU or
     disk offload), else the device of its first parameter or buffer."""
     hook = getattr(module, "_hf_hook", None)
-    execution = getattr(hook, "execution_device", None)
+    hooks = [hook, *getattr(hook, "hooks", ())]  # accelerate's SequentialHook holds several
+    execution = next((h.execution_device for h in hooks if getattr(h, "execution_device", None) is not None), None)
     if execution is not None:
         return torch.device(execution) if not isinstance(execution, int) else torch.device("cuda", execution)
     for tensor in module.parameters():
@@ -90,7 +91,10 @@ def device_tensor(data: Sequence, device: torch.device, dtype: torch.dtype = tor
 
 
 def _sync_one(device: torch.device) -> None:
-    torch.cuda.synchronize(device)
+    # an idle stream needs no wait (a query does not block); a busy one is waited for, as the next host read
+    # would anyway
+    if not torch.cuda.current_stream(device).query():
+        torch.cuda.synchronize(device)
 
 
 def synchronize(devices: Iterable[torch.device]) -> None:

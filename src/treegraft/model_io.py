@@ -55,7 +55,9 @@ def head_weight(model: nn.Module) -> torch.Tensor:
     if weight is None:
         raise ValueError(f"{type(model).__name__}'s LM head keeps no dense weight")
     if weight.device.type == "meta":
-        weights_map = getattr(getattr(head, "_hf_hook", None), "weights_map", None)
+        hook = getattr(head, "_hf_hook", None)
+        weights_map = next((h.weights_map for h in [hook, *getattr(hook, "hooks", ())]
+                            if getattr(h, "weights_map", None) is not None), None)
         if weights_map is None:
             raise ValueError(f"{type(model).__name__}'s LM head is on the meta device and no offload hook holds its weight")
         weight = weights_map["weight"]

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ..devices import Clock, device_tensor, input_device, output_device
+from ..devices import Clock, device_tensor, input_device
 from .sampling import SamplingConfig, sample_from_logits
 
 __all__ = ["GenerationResult", "AutoregressiveDecoder", "eos_token_ids", "validate_prompt", "PromptError", "hold_eos",
@@ -148,7 +148,6 @@ class AutoregressiveDecoder:
 
         prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.model)
         device = input_device(self.model)
-        generator = make_generator(self.sampling, output_device(self.model))
         clock = Clock.of(self.model)
 
         start = clock.now()
@@ -156,6 +155,8 @@ class AutoregressiveDecoder:
         input_ids = device_tensor([prompt_ids], device)
         out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
         prefill_time = clock.now() - start
+        # on the logits' device (a model split by accelerate hands them back on its input device)
+        generator = make_generator(self.sampling, out.logits.device)
         tokens: list[int] = []
         while True:
             logits = hold_eos(out.logits[0, -1], self.eos_ids, len(tokens), min_new_tokens)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..devices import input_device
+
 __all__ = ["MismatchReport", "compare_outputs"]
 
 
@@ -41,7 +43,7 @@ def compare_outputs(
     position = next((i for i in range(n) if tokens[i] != reference[i]), n)
     if target_fp32 is None or prompt_ids is None or position >= n:
         return MismatchReport(equal=False, position=position, explained_by_tie=False)
-    device = next(target_fp32.parameters()).device
+    device = input_device(target_fp32)
     context = torch.tensor([list(prompt_ids) + list(reference[:position])], device=device)
     with torch.inference_mode():
         logits = target_fp32(context, logits_to_keep=1).logits[0, -1].float()

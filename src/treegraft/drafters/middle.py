@@ -108,7 +108,8 @@ def topk(items: Sequence[TokenLogProbs], m: int) -> list[tuple[list[float], list
     for lp, idx in _by_matrix(items):
         matrix = lp.matrix
         k = min(int(m), matrix.shape[-1])
-        values, cols = matrix.index_select(0, device_tensor([items[i].row for i in idx], matrix.device)).topk(k, dim=-1)
+        # row by row on views of the matrix (a gathered copy of full-vocabulary rows costs more than the topk)
+        values, cols = (torch.stack(t) for t in zip(*(matrix[items[i].row].topk(k) for i in idx)))
         tokens = cols if lp.ids is None else lp.ids[cols]
         parts.append(torch.cat([values.double(), tokens.double()], dim=1))
         order += idx
@@ -125,7 +126,7 @@ def argmax_scores(items: Sequence[TokenLogProbs]) -> list[tuple[int, float]]:
     parts, order = [], []
     for lp, idx in _by_matrix(items):
         matrix = lp.matrix
-        values, cols = matrix.index_select(0, device_tensor([items[i].row for i in idx], matrix.device)).max(dim=-1)
+        values, cols = (torch.stack(t) for t in zip(*(matrix[items[i].row].max(dim=-1) for i in idx)))
         tokens = cols if lp.ids is None else lp.ids[cols]
         parts.append(torch.stack([tokens.double(), values.double()], dim=1))
         order += idx

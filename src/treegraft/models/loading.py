@@ -268,7 +268,9 @@ def make_self_draft(target: nn.Module, num_layers: int) -> nn.Module:
         else:
             setattr(draft_base, name, module)
     draft.lm_head = target.lm_head
-    leftover = [n for n, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
+    # every tensor of the draft is one of the target's (by identity: an offloaded target's own weights sit on meta)
+    shared = {id(t) for t in [*target.parameters(), *target.buffers()]}
+    leftover = [n for n, t in [*draft.named_parameters(), *draft.named_buffers()] if id(t) not in shared]
     if leftover:
         raise RuntimeError(f"self-draft of {type(target).__name__} left modules unshared: {leftover[:3]}")
     draft.generation_config = copy.deepcopy(target.generation_config)
@@ -327,28 +329,42 @@ def load_pair(
     split = placement.device_map is not None and ((device.type == "cuda" and device.index is None)
                                                   or placement.max_memory is not None
                                                   or isinstance(placement.device_map, dict))
+    estimate = None
     if device.type == "cuda" or placement.max_memory is not None:
         stock = resolve_dtype(dtype) if runtime in (None, "auto") else runtime_load_dtype(runtime)
-        check_fits(spec, stock, device, placement if split else Placement(None, placement.max_memory, placement.middle),
-                   kv_tokens, models_dir)
+        estimate = check_fits(spec, stock, device, placement if split else Placement(None, placement.max_memory, "same"),
+                              kv_tokens, models_dir)
     tokenizer = load_tokenizer(spec.target, models_dir)
     if spec.middle is not None:
         check_same_vocabulary(tokenizer, load_tokenizer(spec.middle, models_dir), spec.target, spec.middle)
     if runtime is not None:
         runtime = resolve_runtime(spec.target, runtime, device, models_dir, cache_dir, log)
+    mid_runtime = runtime
+    middle = None
+    gpus_split = split and device.type == "cuda"
+    if spec.middle is not None:
+        mid_runtime = resolve_middle_runtime(middle_runtime, runtime, device)
+        if gpus_split and placement.middle not in ("same", "auto"):
+            middle = load_model(spec.middle, dtype, torch.device(placement.middle), models_dir, mid_runtime)
+        elif gpus_split and placement.middle == "same":  # first, on the first GPU, which the target's map then counts
+            middle = load_model(spec.middle, dtype, torch.device("cuda", 0), models_dir, mid_runtime)
     memory = placement.accelerate_memory()
+    if gpus_split and memory is None and estimate is not None:
+        # accelerate fills each GPU with weights alone: leave each its share of the KV caches and a tenth for
+        # activations and the allocator
+        count = torch.cuda.device_count()
+        memory = {i: max(0, int(0.9 * torch.cuda.mem_get_info(i)[0]) - estimate.kv_cache // count) for i in range(count)}
     if split:
         target = load_model(spec.target, dtype, device, models_dir, runtime, placement.device_map, memory,
                             placement.offload_folder)
     else:
         target = load_model(spec.target, dtype, device, models_dir, runtime)
-    mid_runtime = runtime
     if spec.self_draft_layers is not None:
         middle = make_self_draft(target, int(spec.self_draft_layers))
-    else:
-        mid_runtime = resolve_middle_runtime(middle_runtime, runtime, device)
+    elif middle is None:
         if placement.middle == "auto" and split:
-            middle = load_model(spec.middle, dtype, device, models_dir, mid_runtime, "auto", memory,
+            left = _memory_left(memory)  # what the target did not take of the caps
+            middle = load_model(spec.middle, dtype, device, models_dir, mid_runtime, "auto", left,
                                 placement.offload_folder)
         else:
             home = input_device(target) if placement.middle in ("same", "auto") else torch.device(placement.middle)
@@ -361,6 +377,17 @@ def load_pair(
     stock = "bfloat16" if resolve_dtype(dtype) == torch.bfloat16 else "float32"
     return LoadedPair(spec=spec, target=target, middle=middle, tokenizer=tokenizer, runtime=runtime or stock,
                       middle_runtime=mid_runtime or stock)
+
+
+def _memory_left(memory: dict | None) -> dict | None:
+    """``max_memory`` caps less what the models loaded so far hold on each GPU (None: accelerate measures
+    what is free itself)."""
+    if memory is None:
+        return None
+    from .placement import parse_bytes
+
+    return {k: (max(0, parse_bytes(v) - torch.cuda.memory_allocated(k)) if isinstance(k, int) else v)
+            for k, v in memory.items()}
 
 
 def load_pair_from_settings(spec: PairSpec, settings, device: str | torch.device | None = None, dtype=None,

@@ -212,7 +212,7 @@ def available_bytes(placement: Placement, device: str | torch.device) -> tuple[i
         if not torch.cuda.is_available():
             raise PairDoesNotFitError(f"device {device} asked for, but CUDA is not available here "
                                       "(torch.cuda.is_available() is False)")
-        ids = range(torch.cuda.device_count()) if placement.split or placement.middle == "auto" else \
+        ids = range(torch.cuda.device_count()) if placement.split else \
             sorted({device.index or 0, *([torch.device(placement.middle).index or 0]
                                          if placement.middle not in ("same", "auto") else [])})
         free = {i: torch.cuda.mem_get_info(i)[0] for i in ids}

@@ -150,7 +150,11 @@ def gpu_worker_groups(workers: int, gpus_per_worker: int = 1, visible: int | Non
         raise WorkerSetupError(f"workers={workers} on CUDA needs {workers * per} GPU(s) ({per} per worker: each worker "
                                f"loads its own pair on GPUs of its own), {visible} visible; set pipeline.workers="
                                f"{max(1, visible // per)} or pipeline.gpus_per_worker")
-    return [",".join(str(w * per + g) for g in range(per)) for w in range(workers)]
+    # the GPUs this process sees, by the names the driver knows them (a SLURM job's CUDA_VISIBLE_DEVICES=4,5)
+    import os
+
+    names = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or [str(i) for i in range(visible)]
+    return [",".join(names[w * per + g] for g in range(per)) for w in range(workers)]
 
 
 def _spawned(fn, context, gpus: str, todo, q) -> None:
@@ -181,9 +185,19 @@ def spawn_pull(fn: Callable, contexts: Sequence, groups: Sequence[str], jobs: Se
         todo.put(job)
     for _ in groups:
         todo.put(None)
+    import os
+
     procs = [ctx.Process(target=_spawned, args=(fn, c, g, todo, q), daemon=True) for c, g in zip(contexts, groups)]
-    for p in procs:
-        p.start()
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        for p, gpus in zip(procs, groups):  # the child's environment from its first instruction on
+            os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+            p.start()
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
     running, errors = len(procs), []
     while running:
         try:

@@ -142,3 +142,7 @@ def return_freed_memory() -> None:
     trim = _libc_malloc_trim()
     if trim is not None:
         trim(0)
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # the caching allocator's freed blocks too
+        torch.cuda.empty_cache()
