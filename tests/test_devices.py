@@ -260,3 +260,50 @@ def test_two_workers_on_one_gpu_are_refused_before_loading(stage, tmp_path, monk
                           f"paths.output_dir={tmp_path}"])
     with pytest.raises(WorkerSetupError, match="workers=2 on CUDA needs 2 GPU"):
         (run_collect if stage == "collect" else run_evaluate)(cfg)
+
+
+# ---------------------------------------------------------------- grouped-query attention under a tree mask
+def test_folded_gqa_attention_equals_repeated_kv():
+    """tree_sdpa (query heads folded into their K/V head's rows) gives transformers' sdpa (K/V repeated per
+    query head) under a tree mask, and hands every other case to it unchanged."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from treegraft.model_io import tree_sdpa
+
+    torch.manual_seed(0)
+    module = SimpleNamespace(num_key_value_groups=3, is_causal=True)
+    q, past = 5, 11
+    query = torch.randn(1, q, 6, 8).transpose(1, 2)  # [B, H, q, d], a transposed view as the layers pass it
+    key, value = torch.randn(1, 2, past + q, 8), torch.randn(1, 2, past + q, 8)
+    allowed = torch.ones(q, past + q, dtype=torch.bool)
+    allowed[:, past:] = torch.rand(q, q) < 0.5
+    allowed[:, past:] |= torch.eye(q, dtype=torch.bool)
+    mask = torch.zeros(q, past + q).masked_fill_(~allowed, torch.finfo(torch.float32).min)[None, None]
+    got, _ = tree_sdpa(module, query, key, value, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+    assert got.shape == want.shape == (1, q, 6, 8)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    one_row, _ = tree_sdpa(module, query[:, :, :1], key, value, mask[:, :, :1], scaling=0.3)  # one row: stock path
+    torch.testing.assert_close(one_row, sdpa_attention_forward(module, query[:, :, :1], key, value, mask[:, :, :1],
+                                                               scaling=0.3)[0])
+
+
+def test_tree_forwards_fold_gqa_and_plain_calls_keep_sdpa(tiny_pair, monkeypatch):
+    """The tiny target has 4 query heads over 2 K/V heads: its tree forwards run tree_sdpa, its plain calls
+    (ar) and anything outside a tree forward keep transformers' sdpa."""
+    import treegraft.model_io as model_io
+
+    calls = []
+    real = model_io.tree_sdpa
+    monkeypatch.setattr(model_io, "tree_sdpa", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
+    from transformers import AttentionInterface
+
+    AttentionInterface._global_mapping.pop(model_io.TREE_SDPA, None)  # re-registered with the counting wrapper
+    dec = decoder(tiny_pair, "fixed")
+    out = dec.generate(PROMPT, 16)
+    assert calls and max(calls) > 1  # tree rows went through the folded attention
+    assert tiny_pair.target.config._attn_implementation == "sdpa"
+    assert out.tokens == AutoregressiveDecoder(tiny_pair.target).generate(PROMPT, 16).tokens
+    AttentionInterface._global_mapping.pop(model_io.TREE_SDPA, None)

@@ -8,6 +8,9 @@ head over a large vocabulary costs as much as several decoder layers per row.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import torch
 from torch import nn
 
@@ -120,10 +123,68 @@ def forward_hidden(
             key_positions = torch.cat([torch.arange(past, device=device), position_ids])
         dtype = next(model.parameters()).dtype
         mask = attention_mask_for(model, allowed.to(device), position_ids, key_positions, dtype)
-    out = model.base_model(
-        input_ids=tokens[None], position_ids=position_ids[None], attention_mask=mask, cache=cache, use_cache=True
-    )
+    with tree_attention(model, enabled=mask is not None):
+        out = model.base_model(
+            input_ids=tokens[None], position_ids=position_ids[None], attention_mask=mask, cache=cache, use_cache=True
+        )
     return out.last_hidden_state[0]
+
+
+TREE_SDPA = "treegraft_tree_sdpa"
+# grouped-query attention under a tree mask: "fold" the query heads of each K/V head into its rows (tree_sdpa),
+# "repeat" K/V per query head (transformers' sdpa with a mask); chosen by measurement (docs/gpu.md)
+GQA_UNDER_MASK = os.environ.get("TREEGRAFT_GQA", "fold")
+
+
+def tree_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' sdpa for a forward under a tree mask, without repeating K/V for grouped-query attention.
+
+    With a mask and several query rows, transformers' sdpa copies every K/V head ``G`` times (``repeat_kv``:
+    Qwen3-32B's 64 query heads over 8 K/V heads copy the whole KV cache 8x in every layer of every
+    verification). Here the ``G`` query heads of a K/V head become ``G x q`` rows of that head instead
+    (query ``[B, Hkv, G*q, d]``, the mask tiled ``G`` times along its rows): the same dot products, no
+    copy of the cache. Anything else (no mask, one row, no grouping, bias, soft-capping, sinks, dropout)
+    goes to transformers' own sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    q_len = query.shape[2]
+    if (groups == 1 or q_len == 1 or attention_mask is None or not isinstance(attention_mask, torch.Tensor)
+            or attention_mask.dim() != 4 or attention_mask.shape[1] != 1 or dropout
+            or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "s_aux", "sinks"))):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    batch, heads, _, dim = query.shape
+    folded = query.reshape(batch, key.shape[1], groups * q_len, dim)
+    rows, kv = attention_mask.shape[0], attention_mask.shape[-1]
+    mask = attention_mask[:, :, None].expand(rows, 1, groups, q_len, kv).reshape(rows, 1, groups * q_len, kv)
+    out = torch.nn.functional.scaled_dot_product_attention(folded, key, value, attn_mask=mask, scale=scaling)
+    return out.reshape(batch, heads, q_len, value.shape[-1]).transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def tree_attention(model: nn.Module, enabled: bool = True):
+    """Run ``model``'s sdpa attention layers through :func:`tree_sdpa` inside the block (a tree forward);
+    other attention implementations, and every call outside the block, are left as they are."""
+    configs = getattr(model, "_treegraft_attention_configs", None)
+    if configs is None:  # the configs the attention layers read (a self-draft's layers are the target's)
+        configs = list({id(m.config): m.config for m in model.modules()
+                        if hasattr(m, "num_key_value_groups") and hasattr(m, "config")}.values())
+        model._treegraft_attention_configs = configs
+    switch = [c for c in configs if enabled and GQA_UNDER_MASK == "fold"
+              and getattr(c, "_attn_implementation_internal", None) == "sdpa"]
+    if switch:
+        from transformers import AttentionInterface
+
+        if TREE_SDPA not in AttentionInterface._global_mapping:
+            AttentionInterface.register(TREE_SDPA, tree_sdpa)
+    for c in switch:
+        c._attn_implementation_internal = TREE_SDPA
+    try:
+        yield
+    finally:
+        for c in switch:
+            c._attn_implementation_internal = "sdpa"
 
 
 def keep_cache_positions(cache, prefix: int, tail: list[int]) -> None:
