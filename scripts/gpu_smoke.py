@@ -61,14 +61,10 @@ def parse_args(argv=None):
 
 def random_scheduler(depth: int):
     """A distilled scheduler with random weights: it calls at some steps and not others (no artifacts needed)."""
-    from treegraft.scheduling.features import state_names
     from treegraft.scheduling.learned import LearnedScheduler, MarginPredictor
     from treegraft.scheduling.signals import REFERENCE_SIGNALS
-    from treegraft.scheduling.value import Standardized
 
-    torch.manual_seed(0)
-    signals = list(REFERENCE_SIGNALS)
-    return LearnedScheduler(MarginPredictor(Standardized(len(state_names(depth, signals)), [8]), depth, signals))
+    return LearnedScheduler(MarginPredictor.untrained(depth, list(REFERENCE_SIGNALS)))
 
 
 def count_syncs(device: torch.device):

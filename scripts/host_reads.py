@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 
-import torch
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -25,10 +23,8 @@ def main() -> None:
     from treegraft.decoding.factory import decoder_for
     from treegraft.hostreads import count_host_reads
     from treegraft.models import PairSpec, load_pair
-    from treegraft.scheduling.features import state_names
     from treegraft.scheduling.learned import LearnedScheduler, MarginPredictor
     from treegraft.scheduling.signals import REFERENCE_SIGNALS
-    from treegraft.scheduling.value import Standardized
 
     pair = load_pair(PairSpec(name="tiny-random", target="tiny-random:0", middle="tiny-random:1"))
     prompt = list(range(5, 45)) + list(range(5, 25))
@@ -36,9 +32,7 @@ def main() -> None:
     for method in ("all_small", "all_mid", "fixed", "csd", "treegraft"):
         scheduler = None
         if method == "treegraft":
-            torch.manual_seed(0)
-            signals = list(REFERENCE_SIGNALS)
-            scheduler = LearnedScheduler(MarginPredictor(Standardized(len(state_names(5, signals)), [8]), 5, signals))
+            scheduler = LearnedScheduler(MarginPredictor.untrained(5, list(REFERENCE_SIGNALS)))
         dec = decoder_for(method, pair.target, pair.middle, pair.tokenizer, {}, scheduler=scheduler)
         dec.generate(prompt, 8)
         with count_host_reads() as reads:

@@ -16,10 +16,8 @@ from treegraft import devices
 from treegraft.decoding import AutoregressiveDecoder, SamplingConfig
 from treegraft.decoding.factory import decoder_for
 from treegraft.hostreads import count_host_reads
-from treegraft.scheduling.features import state_names
 from treegraft.scheduling.learned import LearnedScheduler, MarginPredictor
 from treegraft.scheduling.signals import REFERENCE_SIGNALS
-from treegraft.scheduling.value import Standardized
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "treegraft"
 # the decoder's hot path: every module a generation runs through between prefill and the last token
@@ -36,10 +34,7 @@ PROMPT = list(range(5, 45)) + list(range(5, 25))  # a repeat, so the n-gram draf
 
 def learned_scheduler(depth: int = 5, seed: int = 0) -> LearnedScheduler:
     """A distilled scheduler with random weights (it calls at some steps and not others)."""
-    torch.manual_seed(seed)
-    signals = list(REFERENCE_SIGNALS)
-    predictor = MarginPredictor(Standardized(len(state_names(depth, signals)), [8]), depth, signals)
-    return LearnedScheduler(predictor)
+    return LearnedScheduler(MarginPredictor.untrained(depth, list(REFERENCE_SIGNALS), seed=seed))
 
 
 def decoder(pair, method: str, **tree):

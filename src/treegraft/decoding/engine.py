@@ -81,6 +81,7 @@ class DraftModel(Protocol):
     tokens_encoded: int  # tokens through its forwards so far
     committed: int
     charged_s: float  # seconds of a shared prompt encoding charged since reset (included in forward_s)
+    clock: Clock  # waits for the drafter's devices
 
     def reset(self, prompt_ids: list[int], encode: bool = False) -> None: ...
 

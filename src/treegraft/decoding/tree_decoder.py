@@ -82,7 +82,6 @@ class TreeGraftDecoder:
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         self.engine: TargetEngine = engine or TorchTarget(target, self._frequent)
         self.device = self.engine.device
-        self._frequent_ids: dict[tuple[int, int], torch.Tensor] = {}
         # the middle drafter exists only where it may be called (every method but all_small, whose
         # schedule is all skips; a learned policy may call with any method)
         may_call = scheduler is not None or self.cfg.preset.schedule != "small"
@@ -119,11 +118,9 @@ class TreeGraftDecoder:
     def _frequent(self, k: int, vocab_size: int) -> torch.Tensor:
         """The ``k`` most frequent token ids (:func:`~treegraft.drafters.vocab.frequent_tokens`; by id
         without a tokenizer)."""
-        key = (int(k), int(vocab_size))
-        if key not in self._frequent_ids:  # read from the disk cache once per decoder
-            self._frequent_ids[key] = (torch.arange(min(k, vocab_size), device="cpu") if self.tokenizer is None
-                                       else frequent_tokens(self.tokenizer, k, vocab_size, self.cache_dir))
-        return self._frequent_ids[key]
+        if self.tokenizer is None:
+            return torch.arange(min(k, vocab_size), device="cpu")
+        return frequent_tokens(self.tokenizer, k, vocab_size, self.cache_dir)
 
     @property
     def cache(self):

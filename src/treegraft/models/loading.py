@@ -30,7 +30,6 @@ from torch import nn
 
 from ..paths import default_cache_dir, default_models_dir
 from ..devices import input_device
-from ..model_io import check_attention
 from .embedded import EMBEDDED_MODELS, int4_blocks, is_converted
 from .placement import Placement, check_fits
 from .runtime import (RuntimeChoice, apply_runtime, check_runtime_name, choose_runtime, effective_runtime,
@@ -53,7 +52,6 @@ __all__ = [
     "load_pair",
     "make_self_draft",
     "check_same_vocabulary",
-    "check_attention",
     "Placement",
 ]
 

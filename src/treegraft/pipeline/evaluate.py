@@ -397,14 +397,13 @@ def near_tie_placement(cfg: DictConfig, spec) -> tuple[dict | None, str | None]:
     every GPU and the host's available memory, and the disk where ``placement.offload_folder`` is set;
     never a copy that does not fit (a Qwen3-32B in float32 is 131 GB)."""
     from ..models.loading import placement_from
-    from ..models.placement import Placement, available_bytes, estimate_pair_memory
+    from ..models.placement import Placement, available_bytes, kv_cache_bytes, model_bytes, model_config
 
     device = torch.device(cfg.pipeline.device)
     placement = placement_from(cfg.get("placement"))
     tokens = int((cfg.get("placement") or {}).get("kv_tokens", None) or 4096)
-    target_only = type(spec)(name=spec.name, target=spec.target, self_draft_layers=1)
-    estimate = estimate_pair_memory(target_only, torch.float32, tokens, cfg.paths.models_dir)
-    need = int(1.1 * (estimate.target_weights + estimate.kv_cache))
+    config = model_config(spec.target, cfg.paths.models_dir)
+    need = int(1.1 * (model_bytes(config, torch.float32) + kv_cache_bytes(config, tokens, torch.float32)))
     whole, _ = available_bytes(Placement(None), device)
     if need <= whole:
         return {"device": device}, None

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import multiprocessing as mp
+import os
 import queue
 import traceback
 from typing import Callable, Iterator, Sequence
@@ -89,17 +90,46 @@ def fork_pull(fn: Callable[[Iterator, Callable[[int], None]], None], jobs: Seque
     fork_map(lambda _, report: fn(pull(), report), [[i] for i in range(workers)], progress)
 
 
+def _report_to(q, fn: Callable, *args) -> None:
+    """Run ``fn(*args, report)`` in a worker, telling the parent through ``q``: progress, then done or the traceback."""
+    try:
+        fn(*args, lambda n=1: q.put(("progress", n)))
+        q.put(("done", None))
+    except BaseException:  # report, never hang the parent
+        q.put(("error", traceback.format_exc()))
+
+
 def _worker(fn: Callable, group: list, q) -> None:
     # One thread, set before any kernel runs: GNU OpenMP's thread pool does not survive fork, so a
     # worker whose parent already ran multi-threaded kernels deadlocks in its first parallel region.
     import torch
 
     torch.set_num_threads(1)
-    try:
-        fn(group, lambda n=1: q.put(("progress", n)))
-        q.put(("done", None))
-    except BaseException:  # report, never hang the parent
-        q.put(("error", traceback.format_exc()))
+    _report_to(q, fn, group)
+
+
+def _wait_for(procs: list, q, progress: Callable[[int], None], what: str, join_s: float) -> None:
+    """Relay the workers' progress until each has said done or failed (or all died without a word, killed
+    or out of memory); then raise their tracebacks, if any."""
+    running, errors = len(procs), []
+    while running:
+        try:
+            kind, value = q.get(timeout=5.0)
+        except queue.Empty:
+            if not any(p.is_alive() for p in procs):
+                errors.append(f"a {what} stopped without reporting (exit codes {[p.exitcode for p in procs]})")
+                break
+            continue
+        if kind == "progress":
+            progress(value)
+        else:
+            running -= 1
+            if kind == "error":
+                errors.append(value)
+    for p in procs:
+        p.join(timeout=join_s)
+    if errors:
+        raise RuntimeError(f"a {what} failed:\n" + "\n".join(errors))
 
 
 def fork_map(fn: Callable[[list, Callable[[int], None]], None], groups: list[list],
@@ -117,26 +147,7 @@ def fork_map(fn: Callable[[list, Callable[[int], None]], None], groups: list[lis
     procs = [ctx.Process(target=_worker, args=(fn, group, q), daemon=True) for group in groups]
     for p in procs:
         p.start()
-    running, errors = len(procs), []
-    while running:
-        try:
-            kind, value = q.get(timeout=5.0)
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):  # a worker died without a word (killed, OOM)
-                codes = [p.exitcode for p in procs]
-                errors.append(f"a worker stopped without reporting (exit codes {codes})")
-                break
-            continue
-        if kind == "progress":
-            progress(value)
-        else:
-            running -= 1
-            if kind == "error":
-                errors.append(value)
-    for p in procs:
-        p.join(timeout=30)
-    if errors:
-        raise RuntimeError("a parallel worker failed:\n" + "\n".join(errors))
+    _wait_for(procs, q, progress, "parallel worker", join_s=30)
 
 
 def gpu_worker_groups(workers: int, gpus_per_worker: int = 1, visible: int | None = None) -> list[str]:
@@ -151,26 +162,18 @@ def gpu_worker_groups(workers: int, gpus_per_worker: int = 1, visible: int | Non
                                f"loads its own pair on GPUs of its own), {visible} visible; set pipeline.workers="
                                f"{max(1, visible // per)} or pipeline.gpus_per_worker")
     # the GPUs this process sees, by the names the driver knows them (a SLURM job's CUDA_VISIBLE_DEVICES=4,5)
-    import os
-
     names = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()] or [str(i) for i in range(visible)]
     return [",".join(names[w * per + g] for g in range(per)) for w in range(workers)]
 
 
 def _spawned(fn, context, gpus: str, todo, q) -> None:
-    import os
-
-    os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # before the first CUDA call of this fresh process
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus  # as the parent set it at the start (a child may reset it)
 
     def pull() -> Iterator:
         while (job := todo.get()) is not None:
             yield job
 
-    try:
-        fn(context, pull(), lambda n=1: q.put(("progress", n)))
-        q.put(("done", None))
-    except BaseException:
-        q.put(("error", traceback.format_exc()))
+    _report_to(q, fn, context, pull())
 
 
 def spawn_pull(fn: Callable, contexts: Sequence, groups: Sequence[str], jobs: Sequence, weights: Sequence[float],
@@ -185,8 +188,6 @@ def spawn_pull(fn: Callable, contexts: Sequence, groups: Sequence[str], jobs: Se
         todo.put(job)
     for _ in groups:
         todo.put(None)
-    import os
-
     procs = [ctx.Process(target=_spawned, args=(fn, c, g, todo, q), daemon=True) for c, g in zip(contexts, groups)]
     before = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
@@ -198,22 +199,4 @@ def spawn_pull(fn: Callable, contexts: Sequence, groups: Sequence[str], jobs: Se
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = before
-    running, errors = len(procs), []
-    while running:
-        try:
-            kind, value = q.get(timeout=5.0)
-        except queue.Empty:
-            if not any(p.is_alive() for p in procs):
-                errors.append(f"a GPU worker stopped without reporting (exit codes {[p.exitcode for p in procs]})")
-                break
-            continue
-        if kind == "progress":
-            progress(value)
-        else:
-            running -= 1
-            if kind == "error":
-                errors.append(value)
-    for p in procs:
-        p.join(timeout=60)
-    if errors:
-        raise RuntimeError("a GPU worker failed:\n" + "\n".join(errors))
+    _wait_for(procs, q, progress, "GPU worker", join_s=60)

@@ -78,6 +78,14 @@ class MarginPredictor:
         return state_names(self.depth, self.signals)
 
     @classmethod
+    def untrained(cls, depth: int, signals: Sequence[str], hidden: Sequence[int] = (8,), seed: int = 0) -> "MarginPredictor":
+        """Random weights, no fit: a policy that calls at some steps and not others, for checks that need a
+        learned scheduler without fitted artifacts (the host-read budget, the GPU smoke check)."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return cls(Standardized(len(state_names(depth, signals)), list(hidden)), depth, signals)
+
+    @classmethod
     def fit(cls, states: np.ndarray, margins: np.ndarray, depth: int, signals: Sequence[str], cfg: MLPConfig,
             hidden: Sequence[int] = (64, 32)) -> "MarginPredictor":
         return cls(train_mlp(states, margins, cfg, hidden=hidden), depth, signals, {"hidden": list(hidden)})
