@@ -16,7 +16,7 @@ from treegraft.pipeline.artifacts import MissingArtifactError, stage_dir
 from treegraft.pipeline.collect import COST_FEATURES, apply_cost_model, fit_cost_model, run_collect
 from treegraft.pipeline.distill import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER, distill_predictor, run_distill
 from treegraft.pipeline.evaluate import read_records, rotated_order, run_evaluate, run_key
-from treegraft.pipeline.report import make_figures, make_tables
+from treegraft.pipeline.report import OVER_PAIRS, make_figures, make_tables
 from treegraft.pipeline.fit import run_fit
 from treegraft.scheduling.features import ALL_FEATURES, state_names, state_vector, suffix_vector
 from treegraft.scheduling.policy import StepState
@@ -495,13 +495,23 @@ def test_tables_and_figures_from_saved_records_alone(smoke, tmp_path):
     md = (tmp_path / "main.md").read_text()
     assert "mean speedup" in md and "1.00 [no CI]" in md  # ar against itself
     for name in ("main", "gain", "ablation", "scheduling", "held_out", "offline_scheduler", "offline_contrasts", "oof",
-                 "intervals"):
+                 "intervals", "summary"):
         for ext in ("csv", "md", "tex"):
             assert (tmp_path / f"{name}.{ext}").stat().st_size > 0, (name, ext)
+    # one pair: the rows across pairs are its row; the summary carries the CI columns and n
+    gains = tables["gain"].set_index("pair")
+    cols = ["gain vs better endpoint %", "gain vs best HF peer %"]
+    for name in OVER_PAIRS.values():
+        assert gains.loc[name, cols].tolist() == gains.loc["tiny-random", cols].tolist()
+    assert {"speedup lo", "speedup hi", "mean_al lo", "mean_al hi", "n prompts"} <= set(tables["summary"].columns)
+    assert "sensitivity" not in tables and not list(tmp_path.glob("sensitivity.*"))  # smoke runs no sensitivity study
     figures = make_figures(exp, out_dir=tmp_path)
     names = {p.stem for p in figures}
     assert {"speedup_per_benchmark", "al_vs_call_rate", "time_split", "verify_curve", "offline_scheduler"} <= names
     assert all(p.stat().st_size > 1000 for p in figures)
+    index = (tmp_path / "README.md").read_text()  # rewritten by make_figures: the tables and the figures
+    assert "[ablation](ablation.md)" in index and "[time_split](time_split.png)" in index
+    assert "`sensitivity`" in index and "`experiment=cpu_full`" in index
 
 
 @pytest.mark.slow  # a Jupyter kernel of its own: `make test-all` (CI builds the same tables and figures in-process)

@@ -8,7 +8,10 @@ benchmarks serves every method and pair (paired). The figures are those of the t
   prompts; a mean over cells (benchmarks, pairs) is the mean of the cells' speedups;
 - AL = accepted draft tokens / turns; call rate = middle calls / drafting steps;
 - gain over a set of rivals = mean speedup / the best rival's mean speedup - 1, in percent; the best
-  rival is chosen again in every replicate (a rival that wins only by luck widens the CI downwards).
+  rival is chosen again in every replicate (a rival that wins only by luck widens the CI downwards);
+- the gain across pairs (:meth:`PromptTable.gain_over_pairs`): every pair's gain recomputed in each
+  replicate of one draw of prompts, then their mean, max and min, so the CIs are those of the
+  cross-pair figures (not a pair's CI relabelled).
 
 A method evaluated on fewer prompts (the ablations' first k of each benchmark) is resampled over its
 own prompts; methods on the same prompts get the same replicates.
@@ -16,17 +19,30 @@ own prompts; methods on the same prompts get the same replicates.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
 
 from ..stats import DEFAULT_RESAMPLES, Interval, bootstrap_weights, interval
 
-__all__ = ["PromptTable", "method_intervals", "offline_prompt_intervals", "FIELDS"]
+__all__ = ["PromptTable", "OverPairs", "method_intervals", "offline_prompt_intervals", "FIELDS"]
 
 # per-prompt totals read from the records (read_records' columns)
 FIELDS = ["wall_time", "new_tokens", "accepted_sum", "turns", "middle_calls", "steps"]
+_NAN = Interval(float("nan"), float("nan"), float("nan"), 0)
+
+
+class OverPairs(NamedTuple):
+    """A per-pair figure summarized over pairs, each with its CI from one shared draw of prompts;
+    ``argmax`` / ``argmin``: the pair at the max / min on the point estimate."""
+
+    mean: Interval
+    max: Interval
+    min: Interval
+    argmax: str | None
+    argmin: str | None
+    pairs: list[str]
 
 
 class PromptTable:
@@ -81,9 +97,13 @@ class PromptTable:
 
     def _interval(self, stat_of_mask, pairs: Sequence[str], methods: Sequence[str],
                   benchmarks: Sequence[str] | None) -> Interval:
-        mask = self._mask(pairs, methods, benchmarks)
+        return self._interval_on(stat_of_mask, self._mask(pairs, methods, benchmarks))
+
+    def _interval_on(self, stat_of_mask, mask: np.ndarray) -> Interval:
+        """The CI of ``stat_of_mask(mask)`` over the replicates of the prompts in ``mask`` (one draw per
+        mask: every statistic on the same prompts is resampled together)."""
         if not mask.any():
-            return Interval(float("nan"), float("nan"), float("nan"), 0)
+            return _NAN
         with np.errstate(invalid="ignore", divide="ignore"):
             return interval(stat_of_mask(mask), self._weights_for(mask), int(mask.sum()))
 
@@ -104,16 +124,51 @@ class PromptTable:
              benchmarks: Sequence[str] | None = None) -> Interval:
         """100 * (mean speedup of ``method`` / the best rival's mean speedup - 1), on the prompts all of
         them ran; the best rival is picked per replicate."""
-        rivals = [r for r in rivals if all(self._present(p, r).any() for p in pairs)]
+        rivals = self._rivals(rivals, pairs)
         if not rivals:
-            return Interval(float("nan"), float("nan"), float("nan"), 0)
+            return _NAN
+        return self._interval(lambda mask: self._gain_stat(method, rivals, pairs, mask), pairs, ["ar", method, *rivals],
+                              benchmarks)
 
-        def stat_of_mask(mask):
-            own = self._speedup_stat(method, pairs, mask)
-            others = [self._speedup_stat(r, pairs, mask) for r in rivals]
-            return lambda w: 100 * (own(w) / np.max([o(w) for o in others], axis=0) - 1)
+    def _rivals(self, rivals: Sequence[str], pairs: Sequence[str]) -> list[str]:
+        return [r for r in rivals if all(self._present(p, r).any() for p in pairs)]
 
-        return self._interval(stat_of_mask, pairs, ["ar", method, *rivals], benchmarks)
+    def _gain_stat(self, method: str, rivals: Sequence[str], pairs: Sequence[str], mask: np.ndarray):
+        own = self._speedup_stat(method, pairs, mask)
+        others = [self._speedup_stat(r, pairs, mask) for r in rivals]
+        return lambda w: 100 * (own(w) / np.max([o(w) for o in others], axis=0) - 1)
+
+    def gain_over_pairs(self, method: str, rivals: Sequence[str], pairs: Sequence[str],
+                        benchmarks: Sequence[str] | None = None) -> OverPairs:
+        """:meth:`gain` of ``method`` in each of ``pairs`` (over the rivals that pair ran), and its mean, max
+        and min over the pairs, with CIs: in every replicate of one draw of prompts each pair's gain is
+        recomputed (its best rival picked again) before the mean / max / min is taken. On the prompts
+        every pair ran with ``ar``, ``method`` and its rivals; pairs without ``method`` or any rival are
+        left out. With one pair, each of the three is that pair's :meth:`gain`."""
+        per_pair = {p: self._rivals(rivals, [p]) for p in pairs if self._present(p, method).any()}
+        per_pair = {p: r for p, r in per_pair.items() if r}
+        if not per_pair:
+            return OverPairs(_NAN, _NAN, _NAN, None, None, [])
+        mask = np.logical_and.reduce([self._mask([p], ["ar", method, *r], benchmarks) for p, r in per_pair.items()])
+
+        def gains(mask):  # [pairs, replicates]
+            stats = [self._gain_stat(method, r, [p], mask) for p, r in per_pair.items()]
+            return lambda w: np.stack([s(w) for s in stats])
+
+        def over(reduce):  # the same replicates for every pair, reduced over pairs within each replicate
+            def stat_of_mask(mask):
+                g = gains(mask)
+                return lambda w: reduce(g(w), axis=0)
+            return stat_of_mask
+
+        names = list(per_pair)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            point = gains(mask)(np.ones((1, int(mask.sum()))))[:, 0] if mask.any() else np.full(len(names), np.nan)
+        finite = np.isfinite(point)
+        argmax = names[int(np.nanargmax(point))] if finite.any() else None
+        argmin = names[int(np.nanargmin(point))] if finite.any() else None
+        return OverPairs(self._interval_on(over(np.mean), mask), self._interval_on(over(np.max), mask),
+                         self._interval_on(over(np.min), mask), argmax, argmin, names)
 
     def run_difference(self, method: str, pair_a: str, pair_b: str,
                        benchmarks: Sequence[str] | None = None) -> Interval:
@@ -124,14 +179,11 @@ class PromptTable:
             return lambda w: b(w) - a(w)
 
         mask = self._mask([pair_a], ["ar", method], benchmarks) & self._mask([pair_b], ["ar", method], benchmarks)
-        if not mask.any():
-            return Interval(float("nan"), float("nan"), float("nan"), 0)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return interval(stat_of_mask(mask), self._weights_for(mask), int(mask.sum()))
+        return self._interval_on(stat_of_mask, mask)
 
-    def best(self, rivals: Sequence[str], pairs: Sequence[str]) -> str | None:
-        """The rival with the highest mean speedup (point estimate), or None."""
-        values = {r: self.speedup(r, pairs).value for r in rivals}
+    def best(self, rivals: Sequence[str], pairs: Sequence[str], benchmarks: Sequence[str] | None = None) -> str | None:
+        """The rival with the highest mean speedup (point estimate) on ``benchmarks``, or None."""
+        values = {r: self.speedup(r, pairs, benchmarks).value for r in rivals}
         values = {r: v for r, v in values.items() if v == v}
         return max(values, key=values.get) if values else None
 

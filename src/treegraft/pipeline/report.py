@@ -2,20 +2,23 @@
 
 Inputs: ``evaluate/`` records, ``distill/offline_eval.csv``, ``fit/oof_summary.csv``,
 ``collect/<pair>/runtime.json`` (the verification curve). Outputs under ``report/``: every table as
-CSV + Markdown + LaTeX, every figure as PNG + PDF. The notebook calls these same functions.
+CSV + Markdown + LaTeX, every figure as PNG + PDF, and ``README.md``, the index: what was written
+(with n) and, for each study this experiment did not run, which experiment runs it (:data:`STUDIES`).
+A study that was not run leaves no file (an earlier run's file of that name is removed). The
+notebook calls these same functions.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import pandas as pd
 
 from ..stats import DEFAULT_RESAMPLES, Interval
-from .artifacts import MissingArtifactError, atomic_write_text
+from .artifacts import MissingArtifactError, atomic_write_text, stage_dir
 from .common import fold_intervals, to_markdown
 from .distill import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER
 from .estimates import PromptTable, method_intervals
@@ -34,7 +37,14 @@ __all__ = [
     "write_table",
     "make_tables",
     "make_figures",
+    "write_index",
+    "not_run",
+    "run_report",
     "METHOD_ORDER",
+    "TABLES",
+    "STUDIES",
+    "FIGURES",
+    "OVER_PAIRS",
 ]
 
 METHOD_ORDER = ["ar", "all_small", "all_mid", "treegraft", "fixed", "no_nondestructive", "no_expanded_selection",
@@ -44,6 +54,59 @@ PEERS = ["hf_assisted", "hf_prompt_lookup", "csd"]
 ENDPOINTS = ["all_small", "all_mid"]
 HF_PEERS = ["hf_assisted", "hf_prompt_lookup"]
 NAN_INTERVAL = Interval(float("nan"), float("nan"), float("nan"), 0)
+# the gain table's rows across pairs (after the per-pair rows): statistic -> the row's `pair` cell
+OVER_PAIRS = {"mean": "mean over pairs", "max": "max over pairs", "min": "min over pairs (worst pair)"}
+
+
+class Study(NamedTuple):
+    """A table the report writes only where the experiment ran its study. ``experiments``: those that
+    run it (``experiment=<name>``); ``needs``: what else produces it; ``table`` / ``rows``: where it
+    lives when it is part of another table (``rows`` = (column, value) of its rows)."""
+
+    description: str
+    experiments: tuple[str, ...] = ()
+    needs: str | None = None
+    table: str | None = None
+    rows: tuple[str, str] | None = None
+
+
+# the tables every report writes where its methods were evaluated
+TABLES = {
+    "summary": "per pair x benchmark x method: speedup, AL, call rate (95% CIs), tokens/s, time split, mismatches",
+    "intervals": "per pair x benchmark (and `mean`) x method: speedup, AL, call rate with 95% CIs",
+    "main": "speedup and AL per method x benchmark, mean over the fitting pairs (the paper's main table)",
+    "gain": "treegraft vs the better endpoint and the best HF peer, per pair, then the mean / max / min over pairs",
+    "gain_fit_benchmarks": "the gain table on the fitting benchmarks only (held-out benchmarks left out)",
+    "scheduling": "per pair: treegraft's call rate beside its gain over the better endpoint, and the endpoints' speedups",
+}
+# studies an experiment may not run; the index names the experiment that runs each (data, not prose)
+STUDIES = {
+    "ablation": Study("shared-tree ablations (fixed schedule, no non-destructive grafting, no expanded selection, "
+                      "all-call, direct planner): speedup, AL, call rate",
+                      ("cpu_ablations", "cpu_full", "cpu_llama_full", "smoke")),
+    "sensitivity": Study("treegraft with its runtime context rescaled (t_tgt, t_mid x0.75 / x1.25)",
+                         ("cpu_full", "cpu_llama_full")),
+    "held_out": Study("speedup on what the scheduler never saw: held-out benchmarks per pair, held-out pairs",
+                      needs="a benchmark of `pipeline.held_out_benchmarks` in `evaluation.benchmarks`, or a held-out pair"),
+    "held_out_pair": Study("a pair the scheduler was never fitted on", ("cpu", "cpu_full", "paper"), table="held_out",
+                           rows=("split", "held-out pair")),
+    "offline_scheduler": Study("offline scheduler comparison: share of the per-turn oracle, held-out folds",
+                               needs="`make distill` (distill/offline_eval.csv)"),
+    "offline_contrasts": Study("offline differences between schedulers, points of the oracle",
+                               needs="`make distill` (distill/offline_contrasts.csv)"),
+    "oof": Study("grouped out-of-fold errors of the value heads per feature subset", needs="`make fit` (fit/oof_summary.csv)"),
+    "small_drafter": Study("Table 9: the small-drafter study", ("cpu_small",)),
+    "grafting": Study("Appendix G: grafting traces", ("cpu_small",)),
+}
+# what scripts/report.py prints (every table is written and logged)
+PRINTED = ("main", "gain", "scheduling", "ablation", "held_out", "sensitivity", "offline_scheduler", "offline_contrasts")
+FIGURES = {
+    "speedup_per_benchmark": "speedup per method and benchmark, per pair, 95% CIs",
+    "al_vs_call_rate": "mean AL vs middle-drafter call rate, one point per pair and method, 95% CIs",
+    "time_split": "share of turn time: small drafter, middle drafter, verification, other",
+    "verify_curve": "verification latency vs tree size (collect's runtime.json)",
+    "offline_scheduler": "offline scheduler comparison: share of the oracle, 95% CIs",
+}
 
 
 def load_summary(exp_dir: Path) -> pd.DataFrame:
@@ -99,23 +162,41 @@ def main_table(summary: pd.DataFrame, pairs: Sequence[str] | None = None, benchm
 def gain_table(summary: pd.DataFrame, benchmarks: Sequence[str] | None = None,
                *, prompts: PromptTable) -> pd.DataFrame:
     """Per pair: treegraft's mean speedup vs the better endpoint and vs the best HF peer (as the paper),
-    each gain with its paired 95% CI (the better rival picked again in every replicate)."""
-    rows = []
+    each gain with its paired 95% CI (the better rival picked again in every replicate). Then, across
+    pairs (:data:`OVER_PAIRS`): the mean, max and min over pairs of each gain, every pair's gain
+    recomputed in each replicate of one draw of prompts (:meth:`PromptTable.gain_over_pairs`); the
+    rival column names the pair at the max / min. With one pair they equal its row."""
+    rows, pairs = [], []
     for pair in dict.fromkeys(summary["pair"]):
         methods = set(summary.loc[summary["pair"] == pair, "method"])
         if "treegraft" not in methods:
             continue
+        pairs.append(pair)
         row = {"pair": pair}
         own = _put(row, "treegraft", prompts.speedup("treegraft", [pair], benchmarks))
         for label, rivals in (("better endpoint", ENDPOINTS), ("best HF peer", HF_PEERS)):
             present = [r for r in rivals if r in methods]
-            best = prompts.best(present, [pair]) if present else None
+            best = prompts.best(present, [pair], benchmarks) if present else None
             row[label] = best or "--"
             _put(row, f"{label} speedup", prompts.speedup(best, [pair], benchmarks) if best else NAN_INTERVAL)
             _put(row, f"gain vs {label} %", prompts.gain("treegraft", present, [pair], benchmarks) if present
                  else NAN_INTERVAL)
         row["n prompts"] = own.n
+        row["n pairs"] = 1
         rows.append(row)
+    if pairs:
+        over = {label: prompts.gain_over_pairs("treegraft", rivals, pairs, benchmarks)
+                for label, rivals in (("better endpoint", ENDPOINTS), ("best HF peer", HF_PEERS))}
+        n = next((o.mean.n for o in over.values() if o.pairs), 0)
+        for stat, name in OVER_PAIRS.items():
+            row = {"pair": name}
+            for label, o in over.items():
+                at = {"mean": "per pair", "max": o.argmax, "min": o.argmin}[stat] if o.pairs else None
+                row[label] = f"at {at}" if stat != "mean" and at else (at or "--")
+                _put(row, f"gain vs {label} %", getattr(o, stat))
+            row["n prompts"] = n
+            row["n pairs"] = max(len(o.pairs) for o in over.values())
+            rows.append(row)
     return pd.DataFrame(rows)
 
 
@@ -140,16 +221,22 @@ def ablation_table(summary: pd.DataFrame, pairs: Sequence[str] | None = None,
 
 
 def scheduling_table(summary: pd.DataFrame, *, prompts: PromptTable) -> pd.DataFrame:
-    """Per pair: the learned scheduler's call rate next to its speedup and the endpoints' speedups."""
+    """Per pair: the learned scheduler's call rate beside its gain over the better endpoint (which one
+    is better, and the gain with its CI), then its and the endpoints' speedups: frequent calls where
+    all_mid wins, sparse calls where all_small wins."""
     rows = []
     for pair, g in summary.groupby("pair", sort=False):
         methods = set(g["method"])
-        row, speedups = {"pair": pair}, {}
-        for m in ("treegraft", "all_small", "all_mid", "fixed"):
-            if m in methods:
-                speedups[m] = _put(row, f"{m} speedup", prompts.speedup(m, [pair]))
+        row = {"pair": pair}
         if "treegraft" in methods:
             _put(row, "treegraft call rate", prompts.call_rate("treegraft", [pair]))
+            present = [r for r in ENDPOINTS if r in methods]
+            row["better endpoint"] = (prompts.best(present, [pair]) if present else None) or "--"
+            _put(row, "gain vs better endpoint %", prompts.gain("treegraft", present, [pair]) if present
+                 else NAN_INTERVAL)
+        speedups = {m: _put(row, f"{m} speedup", prompts.speedup(m, [pair]))
+                    for m in ("treegraft", "all_small", "all_mid", "fixed") if m in methods}
+        if "treegraft" in methods:
             _put(row, "treegraft AL", prompts.al("treegraft", [pair]))
             row["n prompts"] = speedups["treegraft"].n
         rows.append(row)
@@ -208,10 +295,33 @@ def write_table(df: pd.DataFrame, out_dir: Path, name: str) -> None:
     atomic_write_text(shown.to_latex(index=False, na_rep="--"), out_dir / f"{name}.tex")
 
 
+def _remove(out_dir: Path, name: str, extensions: Sequence[str]) -> None:
+    for ext in extensions:
+        (Path(out_dir) / f"{name}.{ext}").unlink(missing_ok=True)
+
+
+def summary_with_intervals(summary: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame:
+    """``summary`` with each cell's 95% CIs (``speedup lo`` / ``hi``, ``mean_al lo`` / ``hi``, ``call_rate
+    lo`` / ``hi``) and ``n prompts`` beside its columns, from :func:`method_intervals`' rows."""
+    ci = intervals[intervals["benchmark"] != "mean"].rename(columns={
+        "speedup_lo": "speedup lo", "speedup_hi": "speedup hi", "al_lo": "mean_al lo", "al_hi": "mean_al hi",
+        "call_rate_lo": "call_rate lo", "call_rate_hi": "call_rate hi", "n": "n prompts"})
+    added = ["speedup lo", "speedup hi", "mean_al lo", "mean_al hi", "call_rate lo", "call_rate hi", "n prompts"]
+    out = summary.merge(ci[["pair", "benchmark", "method", *added]], on=["pair", "benchmark", "method"], how="left")
+    cols = list(summary.columns)
+    for after, new in (("speedup", ["speedup lo", "speedup hi"]), ("mean_al", ["mean_al lo", "mean_al hi"]),
+                       ("call_rate", ["call_rate lo", "call_rate hi"]), ("prompts", ["n prompts"])):
+        i = cols.index(after) + 1 if after in cols else len(cols)
+        cols[i:i] = new
+    return out[cols]
+
+
 def make_tables(exp_dir: Path, held_out_pairs: Sequence[str] = (), held_out_benchmarks: Sequence[str] = ("mt_bench",),
                 out_dir: Path | None = None, n_resamples: int = DEFAULT_RESAMPLES) -> dict[str, pd.DataFrame]:
     """Every table of the report, each with its 95% CIs (paired bootstrap over prompts, ``n_resamples``
-    replicates) and prompt counts; returns them by name."""
+    replicates) and prompt counts; returns those written, by name. A table with no rows (a study the
+    experiment did not run) is not written, and a file of that name an earlier run left is removed;
+    ``README.md`` indexes what was written and what was not run (:func:`write_index`)."""
     exp_dir = Path(exp_dir)
     out_dir = Path(out_dir or exp_dir / "report")
     records = load_records(exp_dir)
@@ -219,36 +329,35 @@ def make_tables(exp_dir: Path, held_out_pairs: Sequence[str] = (), held_out_benc
     prompts = PromptTable(records, n_resamples)
     fit_pairs = [p for p in dict.fromkeys(summary["pair"]) if p not in set(held_out_pairs)]
     fit_benchmarks = [b for b in dict.fromkeys(summary["benchmark"]) if b not in set(held_out_benchmarks)]
+    intervals = method_intervals(records, table=prompts)
     tables = {
-        "summary": summary,
-        "intervals": method_intervals(records, table=prompts),
+        "summary": summary_with_intervals(summary, intervals),
+        "intervals": intervals,
         "main": main_table(summary, fit_pairs, prompts=prompts),
         "gain": gain_table(summary, prompts=prompts),
         "gain_fit_benchmarks": gain_table(summary, fit_benchmarks, prompts=prompts),
         "ablation": ablation_table(summary, fit_pairs, prompts=prompts),
         "scheduling": scheduling_table(summary, prompts=prompts),
         "held_out": held_out_table(summary, held_out_pairs, held_out_benchmarks, prompts=prompts),
+        "sensitivity": sensitivity_table(summary, prompts=prompts),
     }
-    sensitivity = sensitivity_table(summary, prompts=prompts)
-    if not sensitivity.empty:
-        tables["sensitivity"] = sensitivity
-    offline = exp_dir / "distill" / "offline_eval.csv"
-    if offline.exists():
-        tables["offline_scheduler"] = pd.read_csv(offline)
-    contrasts = exp_dir / "distill" / "offline_contrasts.csv"
-    if contrasts.exists():
-        tables["offline_contrasts"] = pd.read_csv(contrasts)
-    oof = exp_dir / "fit" / "oof_summary.csv"
-    if oof.exists():
-        tables["oof"] = pd.read_csv(oof)
+    for name, path in (("offline_scheduler", "distill/offline_eval.csv"), ("offline_contrasts", "distill/offline_contrasts.csv"),
+                       ("oof", "fit/oof_summary.csv")):
+        if (exp_dir / path).exists():
+            tables[name] = pd.read_csv(exp_dir / path)
+    tables = {name: df for name, df in tables.items() if not df.empty}
+    for name in {*TABLES, *STUDIES} - set(tables):  # not run this time: no stale file says otherwise
+        _remove(out_dir, name, ("csv", "md", "tex"))
     for name, df in tables.items():
         write_table(df, out_dir, name)
+    write_index(out_dir, exp_dir.name)
     return tables
 
 
 def headline_metrics(tables: dict[str, pd.DataFrame]) -> dict[str, float]:
     """The report's figures as flat W&B summary metrics, every one with ``_lo`` / ``_hi`` (95% CI) and
-    ``_n`` (prompts): each method's mean speedup and AL (main table), each pair's gains."""
+    ``_n`` (prompts): each method's mean speedup and AL (main table), each pair's gains, and the gains'
+    mean / max / min over pairs (``gain/all_pairs/<stat>_gain_vs_better_endpoint_%``)."""
     out: dict[str, float] = {}
 
     def put(key: str, row, col: str, n) -> None:
@@ -259,10 +368,125 @@ def headline_metrics(tables: dict[str, pd.DataFrame]) -> dict[str, float]:
     for _, r in tables.get("main", pd.DataFrame()).iterrows():
         put(f"main/{r['method']}/speedup", r, "mean speedup", r["n prompts"])
         put(f"main/{r['method']}/al", r, "mean AL", r["n prompts"])
+    stats = {name: stat for stat, name in OVER_PAIRS.items()}
     for _, r in tables.get("gain", pd.DataFrame()).iterrows():
         for col in ("treegraft", "gain vs better endpoint %", "gain vs best HF peer %"):
-            put(f"gain/{r['pair']}/{col.replace(' ', '_')}", r, col, r["n prompts"])
+            if r["pair"] in stats:
+                if col != "treegraft":
+                    put(f"gain/all_pairs/{stats[r['pair']]}_{col.replace(' ', '_')}", r, col, r["n prompts"])
+            else:
+                put(f"gain/{r['pair']}/{col.replace(' ', '_')}", r, col, r["n prompts"])
     return out
+
+
+def not_run(tables: dict[str, pd.DataFrame], experiment: str | None = None) -> dict[str, str]:
+    """Study name -> one line saying it was not run here and what runs it, for every study of
+    :data:`STUDIES` that ``tables`` (the report's tables by name) does not hold."""
+    out = {}
+    for name, study in STUDIES.items():
+        df = tables.get(study.table or name)
+        ran = df is not None and not df.empty
+        if ran and study.rows:
+            column, value = study.rows
+            ran = column in df and bool((df[column] == value).any())
+        if ran:
+            continue
+        if experiment in study.experiments:  # this experiment runs it: its records are missing
+            how = f"`experiment={experiment}` runs it, but its records are missing: `make evaluate EXPERIMENT={experiment}`"
+        elif study.experiments:
+            how = "run by " + ", ".join(f"`experiment={e}`" for e in study.experiments)
+        else:
+            how = f"needs {study.needs}"
+        out[name] = f"`{name}` ({study.description}): not run by this experiment; {how}"
+    return out
+
+
+def _read_written(out_dir: Path) -> dict[str, pd.DataFrame]:
+    """The tables under ``out_dir`` by name: the report's own first, in :data:`TABLES` / :data:`STUDIES` order."""
+    known = {name: i for i, name in enumerate([*TABLES, *STUDIES])}
+    tables = {}
+    for path in sorted(Path(out_dir).glob("*.csv"), key=lambda p: (known.get(p.stem, len(known)), p.stem)):
+        try:
+            tables[path.stem] = pd.read_csv(path)
+        except pd.errors.EmptyDataError:  # a 1-byte file an older report wrote for a table with no rows
+            tables[path.stem] = pd.DataFrame()
+    return tables
+
+
+def _n_prompts(df: pd.DataFrame) -> str:
+    col = next((c for c in ("n prompts", "n", "prompts") if c in df), None)
+    if col is None or df[col].dropna().empty:
+        return "--"
+    lo, hi = int(df[col].min()), int(df[col].max())
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+def _across_pairs_lines(gain: pd.DataFrame, label: str) -> list[str]:
+    """The index's lines on treegraft's gain vs ``label`` (a rival column of :func:`gain_table`) across pairs."""
+    rows = {r["pair"]: r for _, r in gain.iterrows()}
+    mean, top, worst = (rows.get(OVER_PAIRS[k]) for k in ("mean", "max", "min"))
+    col = f"gain vs {label} %"
+    if mean is None or col not in mean or mean[col] != mean[col]:
+        return []
+
+    def ci(r) -> str:
+        return Interval(r[col], r[f"{col} lo"], r[f"{col} hi"], 0).format("{:+.1f}") + " %"
+
+    def at(r) -> str:
+        return str(r[label]).removeprefix("at ")
+
+    lines = [f"- mean over {int(mean['n pairs'])} pair(s): {ci(mean)} (n = {int(mean['n prompts'])} prompts)",
+             f"- best pair ({at(top)}): {ci(top)}"]
+    if worst[col] < 0:
+        low = worst[f"{col} lo"]
+        lines.append(f"- worst pair ({at(worst)}): {ci(worst)}: no pair is behind the {label} by more than "
+                     f"{-worst[col]:.1f}% (point estimate; " + (f"CI lower end {low:+.1f}%)" if low == low else "no CI)"))
+    else:
+        lines.append(f"- worst pair ({at(worst)}): {ci(worst)}: ahead of the {label} in every pair (point estimate)")
+    return lines
+
+
+def write_index(out_dir: Path, experiment: str | None = None) -> Path:
+    """``README.md`` under ``out_dir`` (atomic), from the files there: every table and figure written (name,
+    what it is, n prompts), the gain across pairs, and one line for each study this experiment did not
+    run, naming the experiment that runs it. :func:`make_tables` and :func:`make_figures` both rewrite it."""
+    out_dir = Path(out_dir)
+    tables = _read_written(out_dir)
+    tables = {k: v for k, v in tables.items() if not v.empty}
+    title = f"# Report: `{experiment}`" if experiment else "# Report"
+    lines = [title, "",
+             "Rebuilt from the saved artifacts alone (`make tables figures`, `scripts/report.py`, "
+             "`notebooks/reproduce.ipynb`). Every interval is a 95% paired bootstrap CI over prompts, resampled "
+             "within benchmarks; n = prompts. Each table is here as CSV (numbers, CIs as `lo` / `hi` columns), "
+             "Markdown and LaTeX (CIs folded into the cell).", ""]
+    for label in ("better endpoint", "best HF peer"):
+        across = _across_pairs_lines(tables["gain"], label) if "gain" in tables else []
+        if across:
+            lines += [f"## treegraft vs the {label}, across pairs", "", *across, ""]
+    lines += ["## Tables", ""]
+    if tables:
+        lines += ["| table | what it is | n prompts |", "|---|---|---|"]
+        descriptions = {**TABLES, **{k: v.description for k, v in STUDIES.items()}}
+        for name, df in tables.items():
+            lines.append(f"| [{name}]({name}.md) | {descriptions.get(name, '--')} | {_n_prompts(df)} |")
+    else:
+        lines.append("No table written yet: `make tables`.")
+    figures = [p.stem for p in sorted(out_dir.glob("*.png"))]
+    lines += ["", "## Figures", ""]
+    if figures:
+        lines += ["| figure | what it is |", "|---|---|"]
+        lines += [f"| [{name}]({name}.png) ([pdf]({name}.pdf)) | {FIGURES.get(name, '--')} |" for name in figures]
+    else:
+        lines.append("No figure written yet: `make figures`.")
+    if tables:
+        lines += ["", "## Not run by this experiment", ""]
+        missing = [f"- {line}" for line in not_run(tables, experiment).values()]
+        missing += [f"- `{n}` ({TABLES[n]}): no rows (the methods it compares were not evaluated)"
+                    for n in TABLES if n not in tables]
+        lines += missing or ["Every study of the report was run."]
+    path = out_dir / "README.md"
+    atomic_write_text("\n".join(lines) + "\n", path)
+    return path
 
 
 def _save(fig, out_dir: Path, name: str) -> list[Path]:
@@ -376,4 +600,38 @@ def make_figures(exp_dir: Path, out_dir: Path | None = None) -> list[Path]:
         ax.invert_yaxis()
         written += _save(fig, out_dir, "offline_scheduler")
         plt.close(fig)
+    for name in set(FIGURES) - {p.stem for p in written}:  # its input is gone: no stale figure says otherwise
+        _remove(out_dir, name, ("png", "pdf"))
+    write_index(out_dir, exp_dir.name)
     return written
+
+
+def run_report(cfg, console=None) -> tuple[dict[str, pd.DataFrame], list[Path]]:
+    """`make tables` / `make figures` (``scripts/report.py``): the tables (``cfg.tables``) and figures
+    (``cfg.figures``) of ``cfg.pipeline.name``, each table and the headline metrics (:func:`headline_metrics`)
+    and figures logged by the configured logger; returns (tables, figures)."""
+    from .common import print_table
+    from .tracking import stage_logger
+
+    exp_dir = stage_dir(cfg.paths.output_dir, cfg.pipeline.name, "report").parent
+    log = stage_logger(cfg, "report")
+    tables, figures = {}, []
+    try:
+        if cfg.tables:
+            tables = make_tables(exp_dir, list(cfg.pipeline.held_out_pairs or []), list(cfg.pipeline.held_out_benchmarks),
+                                 n_resamples=int(cfg.pipeline.bootstrap_resamples))
+            for name, df in tables.items():
+                if name in PRINTED and console is not None:
+                    print_table(fold_intervals(df), f"{name} (95% CIs over prompts)", console)
+                log.log_table(name, df)
+            log.log_metrics(headline_metrics(tables))
+        if cfg.figures:
+            figures = make_figures(exp_dir)
+            for path in figures:
+                if path.suffix == ".png":
+                    if console is not None:
+                        console.print(f"figure: {path}")
+                    log.log_figure(path.stem, path)
+    finally:
+        log.finish()
+    return tables, figures
