@@ -536,23 +536,91 @@ def test_notebook_rebuilds_the_report_from_smoke_outputs(smoke, monkeypatch):
     assert (report / "main.md").exists() and (report / "README.md").exists() and (report / "time_split.png").exists()
 
 
-def test_wandb_offline_run_logs_a_stage(smoke, tmp_path, monkeypatch):
-    _, out, *_ = smoke
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.setenv("WANDB_SILENT", "true")
-    cfg = compose("distill", ["experiment=smoke", f"paths.output_dir={out}", "logger=wandb", f"logger.dir={tmp_path}",
-                              "force=true"])  # the stage is up to date: force it to run and log
-    run_distill(cfg)
-    import wandb
+def _wandb_run(folder: Path) -> dict:
+    """The one offline W&B run under ``folder``, read back from its run file (W&B's record log: 32 KiB
+    blocks of chunks with a 7-byte header, each record a protobuf): name, group, job type, config, the
+    logged keys, and the table and image files it wrote."""
+    from wandb.proto import wandb_internal_pb2
 
-    wandb.teardown()  # the run files are written by W&B's service process: let it close them before reading
-    runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1
-    run_file = list(runs[0].glob("run-*.wandb"))
-    assert run_file, "the offline run file holds the logged data"
-    data = run_file[0].read_bytes()
-    assert b"smoke" in data and b"ms_per_decision_scheduler" in data  # the config and the metrics
-    assert list((runs[0] / "files" / "media" / "table").glob("offline_eval*.table.json"))
+    runs = list((folder / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    (path,) = runs[0].glob("run-*.wandb")
+    data, pos, chunk, records = path.read_bytes(), 7, b"", []
+    assert data[:4] == b":W&B", "not a W&B run file"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a whole record, or the last chunk of one
+            records.append(wandb_internal_pb2.Record.FromString(chunk))
+            chunk = b""
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    keys = {item.key or "/".join(item.nested_key) for r in records if r.WhichOneof("record_type") == "history"
+            for item in r.history.item}
+    media = runs[0] / "files" / "media"
+    return {"name": run.display_name, "group": run.run_group, "job_type": run.job_type, "keys": keys,
+            "config": {c.key: json.loads(c.value_json) for c in run.config.update},
+            "tables": [p.name for p in media.glob("table/*.table.json")], "images": [p.name for p in media.glob("images/*")]}
+
+
+# the logging, not the fit, is under test: a small scheduler fit
+CHEAP_SCHEDULER = ["scheduler.candidates=[depth_before,node_count]", "scheduler.selection_mlp.epochs=5",
+                   "scheduler.value_mlp.epochs=5", "scheduler.predictor_mlp.epochs=5", "scheduler.teacher=open_loop",
+                   "scheduler.decision_timing_repeats=20"]
+WANDB_STAGES = {"evaluate": ["evaluation.methods=[ar,all_small]"],  # every record saved: summarized and logged, no model
+                "collect": [],  # every shard saved: no model
+                "fit": [*CHEAP_SCHEDULER, "force=true"], "distill": [*CHEAP_SCHEDULER, "force=true"],
+                "report": []}
+
+
+@pytest.fixture(scope="module")
+def wandb_runs(smoke, tmp_path_factory):
+    """Every stage and the report logged to W&B offline, once, in a copy of the smoke outputs: stage -> the
+    overrides it ran with and its run read back (:func:`_wandb_run`)."""
+    from treegraft.pipeline.report import run_report
+
+    _, out, *_ = smoke
+    work = tmp_path_factory.mktemp("wandb")
+    for stage in ("collect", "fit", "distill", "evaluate"):
+        shutil.copytree(out / "pipeline" / "smoke" / stage, work / "pipeline" / "smoke" / stage)
+    run = {"collect": run_collect, "fit": run_fit, "distill": run_distill, "evaluate": run_evaluate, "report": run_report}
+    overrides = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("WANDB_API_KEY", raising=False)
+        mp.setenv("WANDB_SILENT", "true")
+        for stage, extra in WANDB_STAGES.items():
+            overrides[stage] = ["experiment=smoke", f"paths.output_dir={work}", "logger=wandb",
+                                f"logger.dir={work / 'wandb' / stage}", *extra]
+            run[stage](compose(stage, overrides[stage]))
+        import wandb
+
+        wandb.teardown()  # the run files are written by W&B's service process: let it close them before reading
+    return {stage: (overrides[stage], _wandb_run(work / "wandb" / stage)) for stage in WANDB_STAGES}
+
+
+@pytest.mark.parametrize("stage, metric, table", [
+    ("collect", "turns", "collect_summary"),
+    ("fit", "oof_score", "oof_summary"),
+    ("distill", "ms_per_decision_scheduler", "offline_eval"),
+    ("evaluate", "tiny-random/treegraft/speedup", "evaluate_intervals"),
+    ("report", "gain/all_pairs/mean_gain_vs_better_endpoint_%", "gain"),
+])
+def test_wandb_offline_run_logs_every_stage(wandb_runs, stage, metric, table):
+    overrides, run = wandb_runs[stage]
+    assert (run["name"], run["group"], run["job_type"]) == (f"smoke-{stage}", f"smoke/{stage}", stage)
+    config = compose(stage, overrides)  # the stage's own resolved config, whole
+    assert set(run["config"]) - {"_wandb"} == set(config)
+    assert run["config"]["pipeline"]["name"] == "smoke" and run["config"]["logger"]["name"] == "wandb"
+    assert metric in run["keys"], sorted(run["keys"])[:20]
+    if stage in ("evaluate", "report"):  # figures with a CI carry it and their n
+        assert {f"{metric}_lo", f"{metric}_hi", f"{metric}_n"} <= run["keys"]
+    assert any(name.startswith(f"{table}_") for name in run["tables"]), run["tables"]
+    if stage == "report":
+        assert "gain/tiny-random/gain_vs_better_endpoint_%" in run["keys"]
+        assert any(name.startswith("speedup_per_benchmark_") for name in run["images"]), run["images"]
 
 
 @pytest.mark.slow  # a new interpreter per job: `make test-all`
