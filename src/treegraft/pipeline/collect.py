@@ -11,6 +11,12 @@ Resumable: each prompt's rows are one Parquet shard ``collect/<pair>/<benchmark>
 written atomically once the prompt is done; a rerun skips finished shards, so nothing is lost or
 duplicated. Per pair, ``cost_model.json`` holds per-call costs fitted by least squares on the
 measured latencies (``latency_label=cost_model`` uses them instead of wall times downstream).
+
+Sharded (:mod:`treegraft.pipeline.shards`): a job may be one pair (``pair=``), one fitting benchmark
+(``data=``) and one prompt range (``shard.index`` / ``shard.count``); every job, and `fit` and `distill`
+before they read the rows, merges what is on disk (:func:`merge_collect`: the cost models and the summary
+from every shard present, ``coverage.json`` saying which prompts are still missing). Held-out pairs are
+never collected.
 """
 
 from __future__ import annotations
@@ -204,8 +210,11 @@ def row_files(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str]
 
 
 def load_rows(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str], experiment: str,
-              latency_label: str = "measured") -> pd.DataFrame:
+              latency_label: str = "measured", allow_missing: bool = False) -> pd.DataFrame:
     """All collected rows of ``pairs`` x ``benchmarks``, with the ``latency_s`` label set.
+
+    ``allow_missing``: a pair x benchmark without any shard yet (a sharded collect still running) is left
+    out instead of an error; an error only when no pair has any row.
 
     ``latency_label``: ``measured`` (wall times) or ``cost_model`` (each pair's fitted per-call costs).
     ``latency_target_s`` and ``latency_middle_s`` are the parts of ``latency_s`` that scale with the
@@ -219,12 +228,16 @@ def load_rows(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str]
         pair_rows = []
         for bench in benchmarks:
             shards = _shards(collect_dir, pair, bench)
+            if not shards and allow_missing:
+                continue
             if not shards:
                 raise MissingArtifactError(
                     f"no collected rows for pair {pair}, benchmark {bench} under {collect_dir}: "
                     f"run the `collect` stage first (make collect EXPERIMENT={experiment})"
                 )
             pair_rows += [pd.read_parquet(p) for p in shards]
+        if not pair_rows:
+            continue
         df = pd.concat(pair_rows, ignore_index=True)
         if latency_label == "cost_model":
             path = Path(collect_dir) / pair / "cost_model.json"
@@ -235,6 +248,9 @@ def load_rows(collect_dir: Path, pairs: Sequence[str], benchmarks: Sequence[str]
             df["latency_s"] = df["latency_measured_s"]
             df["latency_target_s"], df["latency_middle_s"] = df["verify_s"], df["middle_s"]
         frames.append(df)
+    if not frames:
+        raise MissingArtifactError(f"no collected rows for pairs {list(pairs)} under {collect_dir}: run the `collect` "
+                                   f"stage first (make collect EXPERIMENT={experiment})")
     return pd.concat(frames, ignore_index=True)
 
 
@@ -264,23 +280,105 @@ def shard_path(collect_dir: Path, pair: str, benchmark: str, question_id: int) -
     return Path(collect_dir) / pair / benchmark / f"q{question_id}.parquet"
 
 
-def pair_is_collected(cfg, collect_dir: Path, pair: str) -> bool:
-    """Whether a pair's runtime context, cost model and every prompt's shard are on disk, so a rerun
-    of `collect` need not load its models (the question ids come from the benchmark files alone)."""
+def collect_pairs(cfg) -> list[str]:
+    """The pairs this collect job collects: the ``pair`` of a sweep job, else every fitting pair. A
+    held-out pair is never collected (one line)."""
+    from .common import fit_pairs
+
+    held = set(cfg.pipeline.held_out_pairs or [])
+    if cfg.get("pair"):
+        name = cfg.pair.name
+        if name in held:
+            raise ValueError(f"pair {name} is held out (pipeline.held_out_pairs): it is never collected, fitted or "
+                             f"distilled; collect one of {fit_pairs(cfg)}")
+        return [name]
+    return fit_pairs(cfg)
+
+
+def collect_benchmarks(cfg) -> list[str]:
+    """The fitting benchmarks this collect job covers: the ``data`` of a sweep job, else all of them."""
+    fit = list(cfg.pipeline.fit_benchmarks)
+    if cfg.get("data"):
+        name = cfg.data.name
+        if name not in fit:
+            raise ValueError(f"benchmark {name} is not a fitting benchmark (pipeline.fit_benchmarks={fit}); "
+                             "held-out benchmarks are never collected")
+        return [name]
+    return fit
+
+
+def collect_question_ids(cfg, pair: str, benchmark: str) -> list[int]:
+    """The question ids collect uses of ``benchmark`` for ``pair`` (all prompt ranges; no tokenizer)."""
     from .common import stage_records
 
-    p, root = pair_settings(cfg.pipeline, pair), Path(collect_dir) / pair
-    if not ((root / "runtime.json").exists() and (root / "cost_model.json").exists()):
+    p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair)
+    return [int(r["question_id"]) for r in stage_records(cfg, benchmark, int(pp.prompts_per_benchmark), int(p.prompt_offset))]
+
+
+def collect_coverage(cfg, collect_dir: Path):
+    """Which prompts of the whole experiment (every fitting pair x fitting benchmark) have their shard on disk."""
+    from .common import fit_pairs
+    from .shards import Coverage
+
+    expected, present, rerun = {}, {}, {}
+    for pair in fit_pairs(cfg):
+        for bench in cfg.pipeline.fit_benchmarks:
+            ids = collect_question_ids(cfg, pair, bench)
+            expected[pair, bench] = ids
+            present[pair, bench] = [q for q in ids if shard_path(collect_dir, pair, bench, q).exists()]
+            rerun[pair, bench] = f"python scripts/collect.py experiment={cfg.pipeline.name} pair={pair} data={bench}"
+    return Coverage("collect", expected, present, rerun)
+
+
+def pair_is_collected(cfg, collect_dir: Path, pair: str, benchmarks: Sequence[str] | None = None, shard=None) -> bool:
+    """Whether a pair's runtime context and every prompt shard of this job (``benchmarks``, ``shard``'s range)
+    are on disk, so a rerun of `collect` need not load its models (the question ids come from the benchmark
+    files alone)."""
+    from .shards import Shard
+
+    shard = shard or Shard()
+    if not (Path(collect_dir) / pair / "runtime.json").exists():
         return False
-    return all(shard_path(collect_dir, pair, bench, int(rec["question_id"])).exists()
-               for bench in p.fit_benchmarks
-               for rec in stage_records(cfg, bench, int(p.prompts_per_benchmark), int(p.prompt_offset)))
+    return all(shard_path(collect_dir, pair, bench, q).exists()
+               for bench in (benchmarks or cfg.pipeline.fit_benchmarks)
+               for q in shard.take(collect_question_ids(cfg, pair, bench)))
 
 
-def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None) -> None:
-    """Load a pair, measure its runtime context (runtime.json), then decode and enumerate every prompt
-    not collected yet, one shard per prompt. On CUDA with ``workers`` > 1, one spawned worker per GPU
-    (group) does all of that with a pair of its own (:func:`_collect_on_gpus`)."""
+def merge_collect(cfg, collect_dir: Path, console=None):
+    """What every collect job, `fit` and `distill` do with the shards on disk: per fitting pair with rows,
+    the cost model refitted from all of them (seconds; the same rows give the same file), the summary
+    table of what is there, and ``coverage.json`` (the prompts still missing). Returns (summary, coverage)."""
+    from .artifacts import atomic_write_text
+    from .common import fit_pairs, to_markdown
+
+    p = cfg.pipeline
+    coverage = collect_coverage(cfg, collect_dir)
+    summary = []
+    for pair in fit_pairs(cfg):
+        if not any(coverage.present.get((pair, b)) for b in p.fit_benchmarks):
+            continue
+        rows = load_rows(collect_dir, [pair], list(p.fit_benchmarks), p.name, allow_missing=True)
+        runtime = Path(collect_dir) / pair / "runtime.json"
+        curve = json.loads(runtime.read_text()).get("verify_curve") if runtime.exists() else None
+        model = fit_cost_model(rows, curve)
+        path = Path(collect_dir) / pair / "cost_model.json"
+        if not path.exists() or json.loads(path.read_text()) != json.loads(json.dumps(model)):
+            atomic_write_json(model, path)  # rewritten only when it changed: `fit` hashes it
+        summary += collect_summary(rows, int(cfg.tree.depth))
+    df = pd.DataFrame(summary)
+    atomic_write_parquet(df, Path(collect_dir) / "summary.parquet")
+    atomic_write_text(to_markdown(df) if not df.empty else "no prompt collected yet\n", Path(collect_dir) / "summary.md")
+    coverage.write(Path(collect_dir) / "coverage.json")
+    if console is not None:
+        console.print(coverage.line())
+    return df, coverage
+
+
+def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None, benchmarks=None, shard=None) -> None:
+    """Load a pair, measure its runtime context (runtime.json), then decode and enumerate every prompt of
+    ``benchmarks`` (``shard``'s range of each) not collected yet, one shard per prompt. On CUDA with
+    ``workers`` > 1, one spawned worker per GPU (group) does all of that with a pair of its own
+    (:func:`_collect_on_gpus`)."""
     import sys
 
     import torch
@@ -289,7 +387,10 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     from ..llama_cpp.select import engine_workers
     from .common import pair_spec, stage_prompts
     from .parallel import gpu_worker_groups, spawn_pull
+    from .shards import Shard
 
+    shard = shard or Shard()
+    benchmarks = list(benchmarks or cfg.pipeline.fit_benchmarks)
     p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
     on_gpus = torch.device(p.device).type == "cuda" and int(p.get("workers") or 1) > 1
     if on_gpus:  # refused here, before any model is loaded, when the GPUs are too few
@@ -301,8 +402,8 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     else:
         pair, decoder = _collect_setup(cfg, pair_name, collect_dir, console)
         tokenizer = pair.tokenizer
-    prompts = {b: stage_prompts(cfg, tokenizer, b, int(pp.prompts_per_benchmark), int(p.prompt_offset))
-               for b in p.fit_benchmarks}
+    prompts = {b: shard.take(stage_prompts(cfg, tokenizer, b, int(pp.prompts_per_benchmark), int(p.prompt_offset)))
+               for b in benchmarks}
     jobs = [(b, qid, ids) for b, items in prompts.items() for qid, ids in items]
     todo = [job for job in jobs if not shard_path(collect_dir, pair_name, job[0], job[1]).exists()]
     if len(todo) < len(jobs):  # finished before an interruption
@@ -394,41 +495,41 @@ def run_prompt(decoder: TreeGraftDecoder, prompt_ids: list[int], cfg, meta: dict
 
 @one_thread_with_workers
 def run_collect(cfg, progress=None) -> pd.DataFrame:
-    """The `collect` stage for every pair of ``cfg.pipeline.pairs``; returns the summary table.
-    ``progress(n)``: advance an outer progress bar by n prompts (else one bar per pair here)."""
+    """The `collect` stage for this job's pairs and benchmarks (every fitting pair x fitting benchmark, or a
+    sweep job's ``pair`` / ``data`` / ``shard``), then the merge of every shard on disk
+    (:func:`merge_collect`); returns the summary table. ``progress(n)``: advance an outer progress bar by n
+    prompts (else one bar per pair here)."""
     from rich.console import Console
 
     from .artifacts import record_stage, stage_dir
-    from .common import print_table, to_markdown
+    from .common import print_table
+    from .shards import shard_from
     from .tracking import stage_logger
 
     console = Console(width=200, stderr=True)
     p = cfg.pipeline
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "collect")
-    summary = []
-    for pair_name in p.pairs:
-        collected = pair_is_collected(cfg, out_dir, pair_name)
-        if collected:
+    benchmarks, shard = collect_benchmarks(cfg), shard_from(cfg)
+    pairs = collect_pairs(cfg)
+    if not shard.whole or cfg.get("pair") or cfg.get("data"):
+        console.print(f"collect job: {', '.join(pairs)} x {', '.join(benchmarks)}, {shard}")
+    for pair_name in pairs:
+        if pair_is_collected(cfg, out_dir, pair_name, benchmarks, shard):
             console.print(f"{pair_name}: every prompt already collected, skipped (no model loaded)")
         else:
-            _collect_pair(cfg, pair_name, out_dir, console, progress)
+            _collect_pair(cfg, pair_name, out_dir, console, progress, benchmarks, shard)
             return_freed_memory()  # the pair's heap pages, before the next pair or stage loads its own
-        pair_rows = load_rows(out_dir, [pair_name], list(p.fit_benchmarks), p.name)
-        # refitted on every run (seconds), so a resumed collect never keeps a model fitted by older code
-        curve = json.loads((out_dir / pair_name / "runtime.json").read_text()).get("verify_curve")
-        atomic_write_json(fit_cost_model(pair_rows, curve), out_dir / pair_name / "cost_model.json")
-        summary += collect_summary(pair_rows, int(cfg.tree.depth))
-    df = pd.DataFrame(summary)
-    from .artifacts import atomic_write_text
-
-    atomic_write_parquet(df, out_dir / "summary.parquet")
-    atomic_write_text(to_markdown(df), out_dir / "summary.md")
+    # refitted on every run (seconds), so a resumed collect never keeps a model fitted by older code
+    df, coverage = merge_collect(cfg, out_dir, console)
     record_stage(out_dir, OmegaConf.to_yaml(cfg, resolve=True),
                  [Path(cfg.paths.benchmarks_dir) / b / "question.jsonl" for b in p.fit_benchmarks])
-    print_table(df, f"collect ({p.name}): rows per report", console)
-    console.print(f"rows in total: {int(df['rows'].sum())}")
+    if not df.empty:
+        print_table(df, f"collect ({p.name}): rows per report", console)
+        console.print(f"rows in total: {int(df['rows'].sum())}")
     log = stage_logger(cfg, "collect")
-    log.log_metrics({"rows": int(df["rows"].sum()), "turns": int(df["turns"].sum())})
+    log.log_metrics({"rows": int(df["rows"].sum()) if not df.empty else 0,
+                     "turns": int(df["turns"].sum()) if not df.empty else 0,
+                     "prompts_present": coverage.n_present, "prompts_expected": coverage.n_expected})
     log.log_table("collect_summary", df)
     log.finish()
     return df

@@ -28,7 +28,7 @@ from ..scheduling.policy import StepState
 from ..scheduling.signals import SIGNAL_NAMES
 from ..scheduling.value import ValueSystem, fit_value_system, grouped_folds
 from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_text, record_stage, require, stage_dir, up_to_date
-from .collect import load_rows, row_files
+from .collect import load_rows, merge_collect, row_files
 from .common import fit_pairs, print_table, to_markdown
 from .estimates import offline_prompt_intervals
 from .fit import mlp_config
@@ -155,12 +155,13 @@ def run_distill(cfg: DictConfig) -> dict:
     require(fit_dir / "value_heads.pt", "fit", p.name)
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "distill")
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    merge_collect(cfg, collect_dir, console)  # whatever collect shards exist; says which prompts are missing
     inputs = [*row_files(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.latency_label),
               fit_dir / "value_heads.pt", fit_dir / "value_heads.meta.json"]
     if not cfg.get("force") and up_to_date(out_dir, config_yaml, inputs, ["scheduler.pt", "distill.json"]):
         console.print(f"distill: {out_dir} is up to date with its config and inputs (force=true to redo)")
         return json.loads((out_dir / "distill.json").read_text())
-    rows = load_rows(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.name, p.latency_label)
+    rows = load_rows(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.name, p.latency_label, allow_missing=True)
     vs = ValueSystem.load(fit_dir)
     if vs.depth != depth:
         raise ValueError(f"the value heads in {fit_dir} were fitted for D={vs.depth}, the config has tree.depth={depth}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -42,11 +43,12 @@ from .common import fold_intervals, pair_spec, print_table, stage_prompts, stage
 from .estimates import PromptTable, method_intervals
 from .records import make_record, read_records, summarize_records
 from .parallel import fork_pull, gpu_worker_groups, one_thread_with_workers, spawn_pull
+from .shards import shard_from
 from .tracking import stage_logger
 from ..devices import now
 
 __all__ = ["run_evaluate", "explain_mismatches", "size_by_precision", "main_interval", "evaluated_methods", "make_record", "summarize_records", "read_records", "eval_pairs", "run_key", "method_prompts",
-           "evaluation_units"]
+           "evaluation_units", "evaluate_coverage", "evaluate_benchmarks", "evaluation_offset", "method_files"]
 
 
 def eval_pairs(cfg: DictConfig) -> list[str]:
@@ -55,6 +57,45 @@ def eval_pairs(cfg: DictConfig) -> list[str]:
     p = cfg.pipeline
     pairs = list(p.eval_pairs) if p.get("eval_pairs") else list(p.pairs)
     return pairs + [h for h in (p.held_out_pairs or []) if h not in pairs]
+
+
+def evaluate_benchmarks(cfg: DictConfig) -> list[str]:
+    """The benchmarks this evaluate job covers: a sweep job's ``data``, else ``evaluation.benchmarks``."""
+    return [cfg.data.name] if cfg.get("data") else list(cfg.evaluation.benchmarks)
+
+
+def evaluation_offset(cfg: DictConfig) -> int:
+    """The first evaluated prompt of each benchmark: ``evaluation.prompt_offset``, else right after the
+    prompts `collect` used (never evaluate on fitting prompts)."""
+    e, p = cfg.evaluation, cfg.pipeline
+    return int(e.prompt_offset) if e.prompt_offset is not None else int(p.prompt_offset) + int(p.prompts_per_benchmark)
+
+
+def evaluate_coverage(cfg: DictConfig, out_dir: Path):
+    """Which (pair, benchmark, method) prompts of the whole evaluation have a record on disk (any prompt
+    range's file; records of an older config count as present: the run key is the job's to check)."""
+    from .shards import Coverage
+
+    e = cfg.evaluation
+    n = int(e.prompts_per_benchmark)
+    precision = Path(out_dir) / "precision.json"
+    if e.get("target_half_width") is not None and precision.exists():  # sized by precision: what it reached
+        n = int(json.loads(precision.read_text())["prompts_per_benchmark"])
+    methods = evaluated_methods(cfg)
+    pairs = list(cfg.pipeline.eval_pairs or cfg.pipeline.pairs)
+    pairs += [h for h in (cfg.pipeline.held_out_pairs or []) if h not in pairs]
+    expected, present, rerun = {}, {}, {}
+    for bench in e.benchmarks:
+        ids = [int(r["question_id"]) for r in stage_records(cfg, bench, n, evaluation_offset(cfg))]
+        for pair in pairs:
+            for method in methods:
+                key = (pair, bench, method)
+                expected[key] = method_prompts(cfg, method, ids)
+                have = {json.loads(line)["question_id"] for f in method_files(Path(out_dir) / pair / bench, method)
+                        for line in f.read_text().splitlines()}
+                present[key] = [q for q in expected[key] if q in have]
+                rerun[key] = f"python scripts/evaluate.py experiment={cfg.pipeline.name} pair={pair} data={bench}"
+    return Coverage("evaluate", expected, present, rerun)
 
 
 NOT_IN_RUN_KEY = ("methods", "benchmarks", "prompts_per_benchmark", "ablations", "ablation_prompts", "prompt_offset",
@@ -90,18 +131,30 @@ def run_key(cfg: DictConfig, pair: str, method: str, artifacts: Path) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def method_files(folder: Path, method: str) -> list[Path]:
+    """Every record file of ``method`` in a benchmark folder: the whole range's ``<method>.jsonl`` and the
+    prompt ranges' ``<method>.shard<i>of<n>.jsonl`` of sharded jobs."""
+    import glob
+
+    folder = Path(folder)
+    files = [folder / f"{method}.jsonl"] + sorted(folder.glob(f"{glob.escape(method)}.shard*of*.jsonl"))
+    return [f for f in files if f.exists()]
+
+
 def _saved_records(path: Path, key: str, prompts: list[tuple[int, list[int]]]) -> dict[int, dict]:
     """question id -> the record an earlier run saved for that prompt under the same key and the same
-    prompt (token ids, so a changed prompt format redoes it); prompts without one are missing."""
-    if not path.exists():
-        return {}
+    prompt (token ids, so a changed prompt format redoes it), in any record file of the method (a sharded
+    job's included; the newest where several hold one); prompts without one are missing."""
     wanted = {q: list(ids) for q, ids in prompts}
     out = {}
-    for line in path.read_text().splitlines():
-        r = json.loads(line)
-        q = r.get("question_id")
-        if q in wanted and r.get("prompt_ids") == wanted[q] and r.get("run_key") == key:
-            out[q] = r
+    method = re.sub(r"\.shard\d+of\d+$", "", path.stem)
+    for file in method_files(path.parent, method):
+        for line in file.read_text().splitlines():
+            r = json.loads(line)
+            q = r.get("question_id")
+            if q in wanted and r.get("prompt_ids") == wanted[q] and r.get("run_key") == key:
+                if q not in out or r.get("tstamp", 0) > out[q].get("tstamp", 0):
+                    out[q] = r
     return out
 
 
@@ -293,6 +346,10 @@ def run_evaluate(cfg: DictConfig, progress=None) -> pd.DataFrame:
     p = cfg.pipeline
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "evaluate")
     if cfg.evaluation.get("target_half_width") is not None:
+        if not shard_from(cfg).whole:
+            raise ValueError(f"evaluation.target_half_width={cfg.evaluation.target_half_width} sizes the evaluation by "
+                             f"its headline CI, which one prompt range cannot see; shard.count={cfg.shard.count} expects "
+                             "evaluation.target_half_width=null (a fixed evaluation.prompts_per_benchmark)")
         size_by_precision(cfg, progress, console)
     else:
         _evaluate_prompts(cfg, progress)
@@ -308,17 +365,21 @@ def _evaluate_prompts(cfg: DictConfig, progress=None) -> None:
     artifacts = stage_dir(cfg.paths.output_dir, e.get("scheduler_from") or p.name, "distill").parent
     sampling = SamplingConfig(temperature=float(e.temperature), top_p=float(e.top_p), seed=int(e.seed))
     methods = evaluated_methods(cfg)
-    benchmarks = [cfg.data.name] if cfg.get("data") else list(e.benchmarks)
-    offset = int(e.prompt_offset) if e.prompt_offset is not None else int(p.prompt_offset) + int(p.prompts_per_benchmark)
+    benchmarks = evaluate_benchmarks(cfg)
+    offset = evaluation_offset(cfg)
+    shard = shard_from(cfg)
     bases = dict.fromkeys(parse_method(m)[0] for m in methods)
     schedulers = {m: load_learned_scheduler(m, artifacts) for m in bases if m in LEARNED_METHODS}
+    if not shard.whole or cfg.get("pair") or cfg.get("data"):
+        console.print(f"evaluate job: {', '.join(eval_pairs(cfg))} x {', '.join(benchmarks)}, {shard}")
     for pair_name in eval_pairs(cfg):
         jobs = [(b, m) for b in benchmarks for m in methods]
-        paths = {(b, m): out_dir / pair_name / b / f"{m}.jsonl" for b, m in jobs}
+        # a sharded job writes files of its own (shard.suffix): two jobs never write the same file
+        paths = {(b, m): out_dir / pair_name / b / f"{m}{shard.suffix}.jsonl" for b, m in jobs}
         keys = {m: run_key(cfg, pair_name, m, artifacts) for m in methods}
         spec = pair_spec(pair_name)
         tokenizer = load_tokenizer(spec.target, cfg.paths.models_dir)  # prompts without loading the models
-        prompts = {b: stage_prompts(cfg, tokenizer, b, int(e.prompts_per_benchmark), offset) for b in benchmarks}
+        prompts = {b: shard.take(stage_prompts(cfg, tokenizer, b, int(e.prompts_per_benchmark), offset)) for b in benchmarks}
         categories = {b: {int(r["question_id"]): r["category"] for r in stage_records(cfg, b, int(e.prompts_per_benchmark), offset)}
                       for b in benchmarks}
         # done before an interruption
@@ -457,10 +518,9 @@ def explain_mismatches(cfg: DictConfig, spec, paths: list[Path], console=None) -
     decided = 0
     references: dict[Path, dict] = {}  # benchmark folder -> ar's records by question id, read once
     for path, records in pending.items():
-        if path.parent not in references:
-            ar_path = path.parent / "ar.jsonl"
-            references[path.parent] = ({r["question_id"]: r for r in map(json.loads, ar_path.read_text().splitlines())}
-                                       if ar_path.exists() else {})
+        if path.parent not in references:  # ar's records of every prompt range
+            references[path.parent] = {r["question_id"]: r for f in method_files(path.parent, "ar")
+                                       for r in map(json.loads, f.read_text().splitlines())}
         reference = references[path.parent]
         for r in records:
             ref = reference.get(r["question_id"])
@@ -493,6 +553,9 @@ def _summarize(cfg: DictConfig, out_dir: Path, console) -> pd.DataFrame:
     intervals = method_intervals(records, int(p.bootstrap_resamples))
     atomic_write_parquet(intervals, out_dir / "intervals.parquet")
     record_stage(out_dir, OmegaConf.to_yaml(cfg, resolve=True), [])
+    coverage = evaluate_coverage(cfg, out_dir)  # the other prompt ranges of a sweep: done yet?
+    coverage.write(out_dir / "coverage.json")
+    console.print(coverage.line())
     show = summary[["pair", "benchmark", "method", "tokens_per_s", "mismatches", "mismatches_unexplained"]].merge(
         intervals[["pair", "benchmark", "method", "speedup", "speedup_lo", "speedup_hi", "al", "al_lo", "al_hi",
                    "call_rate", "n"]], on=["pair", "benchmark", "method"])

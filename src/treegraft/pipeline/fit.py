@@ -17,7 +17,7 @@ from rich.console import Console
 
 from ..scheduling.value import MLPConfig, fit_value_system, oof_summary, select_signals
 from .artifacts import atomic_write_json, atomic_write_text, record_stage, require, stage_dir, up_to_date
-from .collect import load_rows, row_files
+from .collect import load_rows, merge_collect, row_files
 from .common import fit_pairs, print_table, to_markdown
 from .tracking import stage_logger
 from ..devices import now
@@ -49,12 +49,13 @@ def run_fit(cfg: DictConfig) -> dict:
     collect_dir = require(stage_dir(cfg.paths.output_dir, p.name, "collect"), "collect", p.name)
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "fit")
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    merge_collect(cfg, collect_dir, console)  # whatever collect shards exist; says which prompts are missing
     inputs = row_files(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.latency_label)
     if not cfg.get("force") and up_to_date(out_dir, config_yaml, inputs, ["value_heads.pt", "selection.json"]):
         console.print(f"fit: {out_dir} is up to date with its config and inputs (force=true to redo)")
         return json.loads((out_dir / "selection.json").read_text())
     start = now()
-    rows = load_rows(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.name, p.latency_label)
+    rows = load_rows(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.name, p.latency_label, allow_missing=True)
     depth = int(cfg.tree.depth)
     console.print(f"fit on {len(rows)} rows, {rows['report'].nunique()} reports, latency label: {p.latency_label}")
     sel_rows = subsample_turns(rows, s.get("selection_max_rows"), int(s.value_mlp.seed))
