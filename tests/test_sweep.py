@@ -138,19 +138,26 @@ def test_the_sharded_sweep_merges_to_the_single_job_run(sweep_and_single):
     assert "collect: 8 of 8 prompts present (4 units), nothing missing" in log
     assert "evaluate: 40 of 40 prompts present (20 units), nothing missing" in log
     assert (sharded / "report" / "main.md").exists()  # the report job
-    # collect: the same rows (the clock aside: enumerated turns are decided by the trees, not by timings)
+    # What may differ: what a clock decides (treegraft's runtime context, every wall time) and what a decoder
+    # carried over from the prompts it ran before in the same process (the n-gram drafter's acceptance counts,
+    # kept across prompts by design). A job of the first benchmark runs that benchmark's prompts after the same
+    # warm-up as the single job, so there everything the trees decide is equal; elsewhere the history differs.
+    first = "gsm8k"
+    # collect: the same enumerated turns and schedules; on the first benchmark the same outcomes
     a, b = _collect_rows(sharded), _collect_rows(single)
-    decided = ["pair", "benchmark", "question_id", "turn", "schedule", "step", "action", "accepted", "tree_nodes",
-               "verified_nodes", "small_calls", "middle_calls", "middle_tokens"]
-    assert len(a) > 0 and a[decided].equals(b[decided])
-    # evaluate: the same records, the same outputs, and the same accepted lengths where no clock decides
+    keys = ["pair", "benchmark", "question_id", "turn", "schedule", "step", "action"]
+    assert len(a) > 0 and a[keys].equals(b[keys])
+    decided = keys + ["accepted", "tree_nodes", "verified_nodes", "small_calls", "middle_calls", "middle_tokens"]
+    assert a.loc[a["benchmark"] == first, decided].equals(b.loc[b["benchmark"] == first, decided])
+    # evaluate: the same records and outputs everywhere; the same accepted lengths where neither a clock nor an
+    # earlier prompt decides them (ar and all_mid: no n-gram drafter; every method but treegraft on the first benchmark)
     ra, rb = _raw_records(sharded), _raw_records(single)
     assert set(ra) == set(rb) and len(ra) == 2 * 2 * 5 * 2
     for key in ra:
         assert ra[key]["tokens"] == rb[key]["tokens"], key
-        if key[2] in ("ar", "all_small", "all_mid", "fixed"):
+        if key[2] in ("ar", "all_mid") or (key[1] == first and key[2] != "treegraft"):
             assert ra[key]["accepted"] == rb[key]["accepted"], key
-    # the merged report: the same tables, rows and prompt counts; the same AL where no clock decides
+    # the merged report: the same tables, rows and prompt counts; the same AL where no clock or history decides
     ta = make_tables(sharded, n_resamples=200, out_dir=sharded / "report_check")
     tb = make_tables(single, n_resamples=200, out_dir=single / "report_check")
     for name in ("main", "gain", "scheduling", "held_out"):
@@ -158,8 +165,9 @@ def test_the_sharded_sweep_merges_to_the_single_job_run(sweep_and_single):
         assert len(ta[name]) == len(tb[name]), name
     main_a, main_b = ta["main"].set_index("method"), tb["main"].set_index("method")
     assert (main_a["n prompts"] == main_b["n prompts"]).all() and (main_a["mismatches"] == 0).all()
+    assert main_a.loc["all_mid", "mean AL"] == pytest.approx(main_b.loc["all_mid", "mean AL"])
     for method in ("all_small", "all_mid", "fixed"):
-        assert main_a.loc[method, "mean AL"] == pytest.approx(main_b.loc[method, "mean AL"])
+        assert main_a.loc[method, f"{first} AL"] == pytest.approx(main_b.loc[method, f"{first} AL"])
     print(f"sharded smoke sweep: {minutes:.1f} min")
 
 
