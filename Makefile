@@ -27,7 +27,7 @@ PROMPT ?= Write a Python function that checks whether a number is prime.
 MAX_NEW_TOKENS ?= 128
 
 .DEFAULT_GOAL := help
-.PHONY: help all setup llamacpp models demo test test-all test-models gpu-smoke bench-models clean-models collect fit distill evaluate tables figures
+.PHONY: help all setup llamacpp models demo test test-all test-models gpu-smoke bench-models clean-models collect fit distill evaluate tables figures sweep
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -108,6 +108,13 @@ tables: $(VENV)/.deps ## tables (CSV, Markdown, LaTeX) from the saved records ->
 
 figures: $(VENV)/.deps ## figures (PNG, PDF) from the saved records -> outputs/pipeline/<exp>/report
 	$(VPY) scripts/report.py $(EXP_ARG) tables=false
+
+# Every stage as Hydra multiruns, collect and evaluate one job per pair x benchmark x prompt range
+# (scripts/sweep.py; docs/pipeline.md "Sweeps and clusters"): LAUNCHER=slurm on a cluster, local here.
+LAUNCHER ?= local
+SHARDS ?= 1
+sweep: $(VENV)/.deps ## every stage as sharded Hydra multiruns through LAUNCHER=local|slurm|basic (EXPERIMENT=smoke_sweep|paper, SHARDS=n)
+	$(VPY) scripts/sweep.py $(if $(EXPERIMENT),experiment=$(EXPERIMENT),experiment=smoke_sweep) launcher=$(LAUNCHER) shards=$(SHARDS)
 
 TEST_PREREQS := $(VENV)/.deps $(VENV)/.kernels $(VENV)/.llamacpp $(VENV)/.pkg-$(TEST_MODELS)
 
