@@ -8,9 +8,11 @@ Run:
     python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=all_mid tree.budget=auto prompt="..."
     python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=fixed stream=true prompt="..."   # text as it arrives
     python -m treegraft.generate pair=qwen-coder-1.5b__0.5b engine=llama_cpp method=all_mid prompt="..."  # GGUF on llama.cpp
+    python -m treegraft.generate pair=qwen-coder-1.5b__0.5b method=fixed small=self_draft prompt="..."  # neural small drafter
 
 Methods (conf/method/): ar, all_small, all_mid, fixed, all_call, no_nondestructive,
-no_expanded_selection, csd, hf_assisted, hf_prompt_lookup.
+no_expanded_selection, csd, hf_assisted, hf_prompt_lookup. Small drafters of the tree methods (conf/small/):
+ngram (default), self_draft (the middle drafter's first layers), model options such as qwen3-0.6b.
 
 Only the generated text goes to stdout, so two methods' outputs can be compared with `diff`.
 """
@@ -76,7 +78,7 @@ def run(cfg: DictConfig) -> int:
     from omegaconf import OmegaConf
 
     from .decoding import SamplingConfig
-    from .decoding.factory import LEARNED_METHODS, load_learned_scheduler
+    from .decoding.factory import LEARNED_METHODS, TREE_METHODS, load_learned_scheduler
     from .llama_cpp.select import engine_decoder, load_engine_pair
 
     text = read_prompt(cfg)
@@ -94,7 +96,11 @@ def run(cfg: DictConfig) -> int:
 
     scheduler = load_learned_scheduler(method, cfg.method.artifacts) if method in LEARNED_METHODS else None
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
-    decoder = engine_decoder(method, pair, tree, sampling, scheduler, cfg.paths.cache_dir)
+    small = OmegaConf.to_container(cfg.small, resolve=True) if cfg.get("small") is not None else None
+    if small is not None and small.get("name", "ngram") != "ngram" and method not in TREE_METHODS:
+        raise ValueError(f"small={small['name']} chooses a tree method's small drafter; method {method} has none")
+    decoder = engine_decoder(method, pair, tree, sampling, scheduler, cfg.paths.cache_dir,
+                             small=small if method in TREE_METHODS else None)
     if scheduler is not None:  # the learned policy's runtime context (ms per target / middle forward)
         decoder.warm_up(prompt_ids, 4)
     stream = TextStream(tokenizer) if cfg.stream else None

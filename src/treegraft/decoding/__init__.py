@@ -2,7 +2,7 @@
 
 from .autoregressive import AutoregressiveDecoder, GenerationResult, PromptError, eos_token_ids, validate_prompt
 from .sampling import SamplingConfig, sample_from_logits, target_distribution
-from .tree_decoder import METHOD_PRESETS, TreeConfig, TreeGraftDecoder
+from .tree_decoder import METHOD_PRESETS, SmallDrafterConfig, TreeConfig, TreeGraftDecoder
 
 __all__ = [
     "AutoregressiveDecoder",
@@ -10,6 +10,7 @@ __all__ = [
     "PromptError",
     "METHOD_PRESETS",
     "SamplingConfig",
+    "SmallDrafterConfig",
     "TreeConfig",
     "TreeGraftDecoder",
     "eos_token_ids",

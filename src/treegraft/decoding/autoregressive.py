@@ -25,6 +25,10 @@ class GenerationResult:
 
     ``tokens`` are the new tokens only (the prompt excluded). ``stop_reason`` is ``"eos"`` or
     ``"max_new_tokens"``. ``turns`` holds per-turn records for speculative methods (empty for ``ar``).
+    The tree decoder also sets ``grafting`` (accepted draft tokens, those on branches only non-destructive
+    grafting kept, turns, turns with such a graft, turns that accepted such a branch) and
+    ``grafting_examples`` (up to two traced turns that accepted a kept branch, as text pieces); None
+    for the other decoders.
     """
 
     tokens: list[int]
@@ -33,6 +37,8 @@ class GenerationResult:
     prefill_time_s: float
     stop_reason: str
     turns: list[dict] = field(default_factory=list)
+    grafting: dict | None = None
+    grafting_examples: list[dict] | None = None
 
     @property
     def new_tokens(self) -> int:

@@ -5,15 +5,17 @@ from __future__ import annotations
 from dataclasses import fields
 from pathlib import Path
 
+from ..drafters.small import SmallDrafterConfig, neural_small_model, small_config
 from ..models import LoadedPair
+from ..paths import CONF_DIR
 from .autoregressive import AutoregressiveDecoder, eos_token_ids
 from .hf_peers import HFAssistedDecoder, HFPromptLookupDecoder
 from .sampling import SamplingConfig
 from .tree_decoder import METHOD_PRESETS, TreeConfig, TreeGraftDecoder
 
-__all__ = ["METHODS", "LEARNED_METHODS", "LEARNED_ARTIFACTS", "build_decoder", "decoder_for", "tree_config_from",
-           "load_learned_scheduler",
-           "parse_method"]
+__all__ = ["METHODS", "LEARNED_METHODS", "LEARNED_ARTIFACTS", "TREE_METHODS", "build_decoder", "decoder_for",
+           "tree_config_from", "load_learned_scheduler", "parse_method", "method_small", "small_settings",
+           "small_names"]
 
 # learned policies on the shared tree: the distilled scheduler and the value system itself
 # the files each learned method's policy is loaded from, relative to an experiment's artifacts folder
@@ -23,21 +25,73 @@ LEARNED_ARTIFACTS = {
 }
 LEARNED_METHODS = tuple(LEARNED_ARTIFACTS)
 METHODS = ("ar", *METHOD_PRESETS, *LEARNED_METHODS, "hf_assisted", "hf_prompt_lookup")
+# the methods that build a draft tree (and so have a small drafter a variant may choose)
+TREE_METHODS = (*METHOD_PRESETS, *LEARNED_METHODS)
+SMALL_CONF_DIR = CONF_DIR / "small"
+
+
+def small_names() -> list[str]:
+    """The small drafter configs there are (``conf/small/<name>.yaml``)."""
+    return sorted(p.stem for p in SMALL_CONF_DIR.glob("*.yaml"))
+
+
+def small_settings(name: str) -> dict:
+    """The settings dict of ``conf/small/<name>.yaml`` (for ``decoder_for(small=...)``); an unknown name is
+    an error naming the known ones."""
+    from omegaconf import OmegaConf
+
+    known = small_names()
+    if name not in known:
+        raise ValueError(f"unknown small drafter {name!r}; expected one of {', '.join(known)}")
+    settings = OmegaConf.to_container(OmegaConf.load(SMALL_CONF_DIR / f"{name}.yaml"), resolve=True)
+    small_config(settings)  # a config file with a bad setting fails here, in one line
+    return settings
+
+
+def _variant_parts(method: str) -> tuple[str, dict[str, float], str | None]:
+    """``method`` split into its base, runtime-context scales and small drafter (see :func:`parse_method`)."""
+    base, _, rest = method.partition("@")
+    scales: dict[str, float] = {}
+    small = None
+    smalls = small_names()
+
+    def bad() -> ValueError:
+        return ValueError(f"bad method variant {method!r}; expected <tree method>@<small drafter> with a tree method "
+                          f"({', '.join(TREE_METHODS)}) and a small drafter of conf/small ({', '.join(smalls)}), "
+                          f"and/or <learned method>@t_tgt_x<scale> / t_mid_x<scale>, joined by +, "
+                          f"e.g. fixed@self_draft, treegraft@t_mid_x1.25")
+
+    for part in filter(None, rest.split("+")):
+        if part in smalls:
+            if base not in TREE_METHODS or small is not None:
+                raise bad()
+            small = part
+            continue
+        name, sep, value = part.rpartition("_x")
+        if not sep or name not in ("t_tgt", "t_mid") or base not in LEARNED_METHODS or name in scales:
+            raise bad()
+        try:
+            scales[name] = float(value)
+        except ValueError:
+            raise bad() from None
+    if rest and not scales and small is None:  # "fixed@": a variant that names nothing
+        raise bad()
+    return base, scales, small
 
 
 def parse_method(method: str) -> tuple[str, dict[str, float]]:
     """``"treegraft@t_mid_x1.25"`` -> ``("treegraft", {"t_mid": 1.25})``: a learned method run with its
     calibrated runtime context rescaled (the sensitivity variants; ``+`` joins several), or a plain
-    method name with no scales."""
-    base, _, rest = method.partition("@")
-    scales = {}
-    for part in filter(None, rest.split("+")):
-        name, sep, value = part.rpartition("_x")
-        if not sep or name not in ("t_tgt", "t_mid") or base not in LEARNED_METHODS:
-            raise ValueError(f"bad method variant {method!r}; expected <learned method>@t_tgt_x<scale> or "
-                             f"@t_mid_x<scale> (joined by +), e.g. treegraft@t_mid_x1.25")
-        scales[name] = float(value)
+    method name with no scales. Any tree method may also name a small drafter (a config of
+    ``conf/small``: ``"fixed@self_draft"`` -> ``("fixed", {})``; :func:`method_small` returns it)."""
+    base, scales, _ = _variant_parts(method)
     return base, scales
+
+
+def method_small(method: str) -> str | None:
+    """The small drafter a method variant names (``"fixed@self_draft"`` -> ``"self_draft"``), None where it
+    names none (``"fixed"``, ``"treegraft@t_mid_x1.25"``: the configured small drafter)."""
+    return _variant_parts(method)[2]
 
 
 def tree_config_from(method: str, tree: dict | None) -> TreeConfig:
@@ -75,16 +129,23 @@ def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: fl
 
 
 def build_decoder(method: str, pair: LoadedPair, tree: dict | None = None, sampling: SamplingConfig | None = None,
-                  scheduler=None, cache_dir: str | Path | None = None, eager_middle_prefill: bool = False):
+                  scheduler=None, cache_dir: str | Path | None = None, eager_middle_prefill: bool = False,
+                  small: dict | SmallDrafterConfig | None = None):
     """A decoder with ``.generate(prompt_ids, max_new_tokens) -> GenerationResult`` for ``method`` on a
-    loaded pair (:func:`decoder_for` with the pair's models and tokenizer)."""
+    loaded pair (:func:`decoder_for` with the pair's models and tokenizer; a small drafter ``model`` is
+    loaded in the middle drafter's runtime)."""
+    small_cfg = small_config(small)
+    small_model = None
+    if small_cfg.name == "model" and method in TREE_METHODS:
+        small_model = neural_small_model(small_cfg, pair.middle, pair.tokenizer, runtime=pair.middle_runtime)
     return decoder_for(method, pair.target, pair.middle, pair.tokenizer, tree, sampling, scheduler, cache_dir=cache_dir,
-                       eager_middle_prefill=eager_middle_prefill)
+                       eager_middle_prefill=eager_middle_prefill, small=small_cfg, small_model=small_model)
 
 
 def decoder_for(method: str, target, middle, tokenizer=None, tree: dict | None = None,
                 sampling: SamplingConfig | None = None, scheduler=None, eos_ids: set[int] | None = None,
-                cache_dir: str | Path | None = None, eager_middle_prefill: bool = False):
+                cache_dir: str | Path | None = None, eager_middle_prefill: bool = False,
+                small: dict | SmallDrafterConfig | None = None, small_model=None):
     """The one method dispatch: a decoder for ``method`` over ``target`` and ``middle`` (None where the
     method never calls one).
 
@@ -93,8 +154,17 @@ def decoder_for(method: str, target, middle, tokenizer=None, tree: dict | None =
     (default: the target's and the tokenizer's). ``cache_dir``: where ``budget=auto`` caches the
     verification curve (default: :func:`treegraft.paths.default_cache_dir`). ``eager_middle_prefill``: the
     tree decoders encode the prompt into the middle drafter at prefill (schedule enumeration wants it).
+    ``small``: the tree methods' small drafter, a settings dict (:func:`small_settings`, the Hydra ``small``
+    node) or :class:`~treegraft.drafters.small.SmallDrafterConfig`; None or ``ngram``: the n-gram drafter.
+    ``small_model``: a neural small drafter's model, already loaded (default: built from ``small``).
+    A method variant (``fixed@self_draft``) is not a method here: split it with :func:`parse_method` /
+    :func:`method_small` and pass ``small_settings(method_small(m))``.
     """
     sampling = sampling or SamplingConfig()
+    small_cfg = small_config(small)
+    if small_cfg.neural and method not in TREE_METHODS:
+        raise ValueError(f"method {method} has no small drafter; small drafter {small_cfg.name} needs a tree method "
+                         f"({', '.join(TREE_METHODS)})")
     eos = eos_token_ids(target, tokenizer) if eos_ids is None else set(eos_ids)
     if method == "ar":
         return AutoregressiveDecoder(target, eos, sampling)
@@ -102,10 +172,12 @@ def decoder_for(method: str, target, middle, tokenizer=None, tree: dict | None =
         if scheduler is None:
             raise ValueError(f"method {method} needs its learned scheduler (load_learned_scheduler)")
         return TreeGraftDecoder(target, middle, tokenizer, tree_config_from("fixed", tree), sampling, eos,
-                                scheduler=scheduler, cache_dir=cache_dir, eager_middle_prefill=eager_middle_prefill)
+                                scheduler=scheduler, cache_dir=cache_dir, eager_middle_prefill=eager_middle_prefill,
+                                small=small_cfg, small_model=small_model)
     if method in METHOD_PRESETS:
         return TreeGraftDecoder(target, middle, tokenizer, tree_config_from(method, tree), sampling, eos,
-                                cache_dir=cache_dir, eager_middle_prefill=eager_middle_prefill)
+                                cache_dir=cache_dir, eager_middle_prefill=eager_middle_prefill, small=small_cfg,
+                                small_model=small_model)
     if method == "hf_assisted":
         return HFAssistedDecoder(target, middle, eos, sampling)
     if method == "hf_prompt_lookup":

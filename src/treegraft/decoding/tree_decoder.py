@@ -7,12 +7,16 @@ Usage (no Hydra needed)::
     result = decoder.generate(prompt_ids, max_new_tokens=256)
     result.tokens, result.turns  # new tokens; per-turn records (AL, tree size, time split)
 
-A turn builds a draft tree over D drafting steps (each done by the n-gram "small" drafter or the
-middle LM; :mod:`treegraft.decoding.builders`), prunes it to the verification budget, verifies it with
+A turn builds a draft tree over D drafting steps (each done by the small drafter, the n-gram drafter
+by default or a small neural drafter (:mod:`treegraft.drafters.small`), or by the middle LM;
+:mod:`treegraft.decoding.builders`), prunes it to the verification budget, verifies it with
 one target forward using tree attention, accepts the longest matching path plus one bonus token, and
 keeps only the accepted entries in every KV cache. Greedy output equals the target's own greedy
-decoding; sampled output has the target's distribution. The models sit behind the engine seam
-(:mod:`treegraft.decoding.engine`): this module never touches a model or a cache itself.
+decoding; sampled output has the target's distribution. Every turn also records which accepted
+tokens lie on branches only non-destructive grafting kept (:meth:`DraftTree.note_graft`), and a
+generation keeps up to two such turns as traces (``GenerationResult.grafting_examples``). The models
+sit behind the engine seam (:mod:`treegraft.decoding.engine`): this module never touches a model or a
+cache itself.
 """
 
 from __future__ import annotations
@@ -29,11 +33,12 @@ from torch import nn
 from ..devices import Clock
 from ..drafters.middle import MiddleDrafter
 from ..drafters.ngram import NGramDrafter
+from ..drafters.small import SmallDrafterConfig, neural_small_model, small_config
 from ..drafters.vocab import frequent_tokens
 from ..model_io import head_weight
 from ..paths import default_cache_dir
 from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
-from ..tree import MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_order, prune_to_budget
+from ..tree import CREATOR_NAMES, MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_order, prune_to_budget
 from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, hold_eos_rows, make_generator, prepare_prompt
 from .backoff import CallGate
 from .budget import BudgetPlanner
@@ -44,11 +49,17 @@ from .tree_config import METHOD_PRESETS, MethodPreset, TreeConfig, auto_shape
 from .turn_stats import TurnStats
 from .verify import accept_greedy, accept_sampling
 
-__all__ = ["TreeConfig", "TreeGraftDecoder", "MethodPreset", "METHOD_PRESETS", "auto_shape"]
+__all__ = ["TreeConfig", "TreeGraftDecoder", "MethodPreset", "METHOD_PRESETS", "SmallDrafterConfig", "auto_shape",
+           "TRACE_CONTEXT", "TRACES_KEPT"]
 
 # verification computes the LM head in one batch for a row and its best-scored descendants while the
 # parent's acceptance probability is at least this: an extra row in a batch costs ~1/13 of a lone row
 LIKELY_ROW_P = 0.08
+# a grafting trace shows this many context tokens before the root; a generation keeps this many traces
+TRACE_CONTEXT = 12
+TRACES_KEPT = 2
+# a trace lists at most this many of the middle drafter's new children beside the kept branch
+TRACE_NEW_CHILDREN = 5
 
 
 class TreeGraftDecoder:
@@ -67,13 +78,19 @@ class TreeGraftDecoder:
         eager_middle_prefill: bool = False,
         engine: TargetEngine | None = None,
         drafter: DraftModel | None = None,
+        small: SmallDrafterConfig | dict | None = None,
+        small_model: nn.Module | None = None,
     ):
         """``eager_middle_prefill``: encode the prompt into the middle drafter's cache at prefill
         (schedule enumeration wants every call's cost to be a call's own); by default the drafter
         catches up on the prompt at its first call, so a method or policy that does not call never pays
         for it and the time to the first turn is the target's prefill alone. ``engine``: the target's
         engine (default :class:`~treegraft.decoding.engine.TorchTarget` over ``target``); ``drafter``: the
-        middle drafter's (default :class:`~treegraft.drafters.middle.MiddleDrafter` over ``middle``)."""
+        middle drafter's (default :class:`~treegraft.drafters.middle.MiddleDrafter` over ``middle``).
+        ``small``: the small drafter (:class:`~treegraft.drafters.small.SmallDrafterConfig` or its dict;
+        None: the n-gram drafter); a neural one runs ``small_model`` if given, else the model its settings
+        name (a self-draft of ``middle``), behind a :class:`~treegraft.drafters.middle.MiddleDrafter` of
+        its own (own KV cache, the same restricted draft vocabulary as the middle drafter's)."""
         self.target = target
         self.tokenizer = tokenizer
         self.cfg = cfg or TreeConfig()
@@ -93,11 +110,20 @@ class TreeGraftDecoder:
         if drafter is None and middle is not None:
             drafter = MiddleDrafter(middle, draft_vocab)
         self.middle: DraftModel | None = drafter if may_call else None
-        # the one clock of every timed region: it waits for the target's and the middle drafter's devices
-        self.clock = Clock([*self.engine.clock.devices, *(self.middle.clock.devices if self.middle is not None else ())])
+        self.small_cfg = small_config(small)
+        self.small: DraftModel | None = None  # a neural small drafter (None: the n-gram drafter)
+        if self.small_cfg.neural:
+            model = small_model if small_model is not None else neural_small_model(self.small_cfg, middle, tokenizer)
+            vocab = None
+            if self.cfg.draft_vocab:  # the middle drafter's restricted vocabulary, for the same LM-head saving
+                vocab = self._frequent(int(self.cfg.draft_vocab), head_weight(model).shape[0])
+            self.small = MiddleDrafter(model, vocab)
+        # the one clock of every timed region: it waits for the target's and the drafters' devices
+        self.clock = Clock([*self.engine.clock.devices, *(self.middle.clock.devices if self.middle is not None else ()),
+                            *(self.small.clock.devices if self.small is not None else ())])
         self._eager_middle_prefill = eager_middle_prefill
         self.ngram = NGramDrafter(self.cfg.ngram)
-        self.builder = builder_for(self.cfg, self.ngram, self.middle, self.clock)
+        self.builder = builder_for(self.cfg, self.ngram, self.middle, self.clock, self.small, self.small_cfg.top_m)
         self._budget: int | None = None if self.cfg.budget == "auto" else int(self.cfg.budget)
         self.planner: BudgetPlanner | None = None
         self._plan: TurnPlan | None = None  # the current turn's (plan_turn)
@@ -113,6 +139,7 @@ class TreeGraftDecoder:
         self.prompt_len = 0
         self._min_new_tokens = 0  # generate()'s: EOS is held back before this many new tokens ...
         self._emitted = 0  # ... counted from the tokens emitted before the current turn
+        self._trace: dict | None = None  # the last turn's grafting trace (ids), where it accepted a kept branch
 
     # ------------------------------------------------------------------ setup
     def _frequent(self, k: int, vocab_size: int) -> torch.Tensor:
@@ -204,13 +231,22 @@ class TreeGraftDecoder:
         top_ids, top_lps = self.engine.prefill(prompt_ids, self.cfg.ngram.top_m, self.cfg.ngram.prefill_vocab)
         if isinstance(top_ids, torch.Tensor):  # an engine that hands back host tensors
             top_ids, top_lps = top_ids.tolist(), top_lps.float().tolist()
-        self.ngram.reset(prompt_ids, top_ids, top_lps)
+        if self._ngram_in_use:
+            self.ngram.reset(prompt_ids, top_ids, top_lps)
         # the target's confidence on the prompt's last positions stands in for past turns' (first turn)
         last = top_lps[-16:]
         conf = sum(math.exp(row[0]) for row in last) / len(last) if last else 0.0
         self.turn_signals = {"recent_al": 0.0, "recent_target_conf": conf}
         if self.middle is not None:
             self.middle.reset(prompt_ids, encode=self._eager_middle_prefill)
+        if self.small is not None:
+            self.small.reset(prompt_ids, encode=self._eager_middle_prefill)
+
+    @property
+    def _ngram_in_use(self) -> bool:
+        """Whether the n-gram drafter is kept up: it is the small drafter, or the scheduler reads its match
+        signals (with a neural small drafter and a fixed schedule its index would be work for nothing)."""
+        return self.small is None or bool(self.scheduler.needs_signals)
 
     # ------------------------------------------------------------------ drafting
     def step_state(self, tree: DraftTree, step: int, history: list[int], with_signals: bool) -> StepState:
@@ -365,19 +401,28 @@ class TreeGraftDecoder:
         # n-gram drafter: the context grows by the emitted tokens; the target's top-m at the verified
         # positions (root and accepted nodes) extends its score cache
         start = clock.now()
-        self.ngram.observe(self.builder.ngram_outcomes(tree, set(inputs.node_ids), path_nodes, emitted,
-                                                       self.sampling.greedy))
-        self.ngram.append(emitted)
+        ngram_in_use = self._ngram_in_use
+        if ngram_in_use:
+            self.ngram.observe(self.builder.ngram_outcomes(tree, set(inputs.node_ids), path_nodes, emitted,
+                                                           self.sampling.greedy))
+            self.ngram.append(emitted)
         logp = torch.log_softmax(torch.stack(acc.logits).float(), dim=-1)
         m = min(self.cfg.ngram.top_m, logp.shape[-1])
         v, i = logp.topk(m, dim=-1)
         packed = torch.cat([i.double(), v.double()], dim=1).tolist()  # one host read: ids and log-probabilities
         top_ids, top_lps = [[int(t) for t in row[:m]] for row in packed], [row[m:] for row in packed]
-        if self.cfg.ngram.extend_cache:
+        if self.cfg.ngram.extend_cache and ngram_in_use:
             self.ngram.set_scores(L, top_ids, top_lps)
+        if self.small is not None:  # the neural small drafter keeps the accepted path's slots, queues the rest
+            self.small.commit(path_nodes, path_tokens)
         stats.small_s += clock.now() - start
         if self.middle is not None:
             self.middle.commit(path_nodes, path_tokens)
+        # grafting provenance: accepted tokens on branches only non-destructive grafting kept
+        first = tree.first_kept(path_nodes)
+        stats.grafts_kept = len(tree.grafts)
+        stats.accepted_on_kept = len(path_nodes) - first if first is not None else 0
+        self._trace = self._trace_of(tree, path_nodes, first, acc.bonus) if first is not None else None
         conf = sum(math.exp(row[0]) for row in top_lps) / len(top_lps)  # the target's top-1 probability at the accepted positions
         recent = self.turn_signals
         self.turn_signals = {"recent_al": 0.5 * recent["recent_al"] + 0.5 * acc.accepted,
@@ -391,12 +436,63 @@ class TreeGraftDecoder:
         stats.turn_s = clock.now() - turn_start + charged
         stats.other_s = stats.turn_s - stats.small_s - stats.middle_s - stats.verify_s
         # what is not a model forward: tree building, n-gram lookups, masks, acceptance, cache compaction
-        stats.outside_forward_s = stats.turn_s - stats.target_forward_s - stats.middle_forward_s
+        stats.outside_forward_s = stats.turn_s - stats.target_forward_s - stats.middle_forward_s - stats.small_forward_s
         if self.planner is not None:
             self.planner.observe(budget, stats.target_forward_s, stats.turn_s - stats.target_forward_s)
         if self.gate is not None and actions is None:
             self.gate.observe(len(emitted), stats.turn_s, stats.middle_calls, self._planner().verify_s(0))
         return emitted, stats
+
+    # ------------------------------------------------------------------ grafting traces
+    def _trace_of(self, tree: DraftTree, path_nodes: list[int], first: int, bonus: int) -> dict:
+        """A turn's grafting trace in token ids: the accepted path runs through a kept branch from
+        ``path_nodes[first]`` on (:meth:`DraftTree.first_kept`). The turn and context are added by
+        :meth:`generate`, the text pieces by :meth:`_decoded_trace`."""
+        under, step, _ = tree.grafts[tree.kept[path_nodes[first]] - 1]
+        new = [n for n in tree.children[under].values() if tree.creator[n] == MIDDLE and tree.step[n] == step]
+        new.sort(key=lambda n: (-tree.edge[n], n))  # the middle drafter's best first
+
+        def nodes(ids: list[int]) -> list[list[int]]:
+            return [[tree.token[n], tree.creator[n], tree.step[n]] for n in ids]
+
+        return {
+            "root": tree.token[0],
+            "grafted_under": {"path": tree.path_tokens(under), "depth": tree.depth[under],
+                              "creator": tree.creator[under], "step": tree.step[under]},
+            "graft_step": step,
+            "kept_branch": nodes(path_nodes[first:]),
+            "new_children": [tree.token[n] for n in new[:TRACE_NEW_CHILDREN]],
+            "accepted": nodes(path_nodes[1:]),
+            "bonus": int(bonus),
+            "accepted_on_kept": len(path_nodes) - first,
+        }
+
+    def _decoded_trace(self, raw: dict) -> dict:
+        """``raw`` (:meth:`_trace_of`, plus ``turn`` and ``context`` ids) with every token as its text piece
+        (the decoder's tokenizer; ``<id>`` without one) and every drafter by name: a small JSON-able dict."""
+        tok = self.tokenizer
+
+        def piece(token: int) -> str:
+            return tok.decode([int(token)], skip_special_tokens=False) if tok is not None else f"<{int(token)}>"
+
+        def nodes(items: list[list[int]]) -> list[dict]:
+            return [{"piece": piece(t), "drafter": CREATOR_NAMES[c], "step": s} for t, c, s in items]
+
+        under = raw["grafted_under"]
+        return {
+            "turn": raw["turn"],
+            "small_drafter": self.small_cfg.name,
+            "context": [piece(t) for t in raw["context"]],
+            "root": piece(raw["root"]),
+            "grafted_under": {"path": [piece(t) for t in under["path"]], "depth": under["depth"],
+                              "drafter": CREATOR_NAMES[under["creator"]], "step": under["step"]},
+            "graft_step": raw["graft_step"],
+            "kept_branch": nodes(raw["kept_branch"]),
+            "new_children": [piece(t) for t in raw["new_children"]],
+            "accepted": nodes(raw["accepted"]),
+            "bonus": piece(raw["bonus"]),
+            "accepted_on_kept": raw["accepted_on_kept"],
+        }
 
     # ------------------------------------------------------------------ public
     def release(self) -> None:
@@ -406,6 +502,8 @@ class TreeGraftDecoder:
         self.engine.release()
         if self.middle is not None:
             self.middle.release()
+        if self.small is not None:
+            self.small.release()
 
     @torch.inference_mode()
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
@@ -434,6 +532,7 @@ class TreeGraftDecoder:
         root = prompt_ids[-1]
         tokens: list[int] = []
         turns: list[dict] = []
+        traces: list[dict] = []  # the turns that accepted the most tokens on kept branches (ids)
         stop_reason = None
         self._min_new_tokens = int(min_new_tokens)
         while stop_reason is None:
@@ -441,6 +540,10 @@ class TreeGraftDecoder:
             if before_turn is not None:
                 before_turn(len(turns), root)
             emitted, stats = self._turn(root, generator)
+            if self._trace is not None:
+                context = (prompt_ids[-TRACE_CONTEXT:] + tokens[-TRACE_CONTEXT:])[-TRACE_CONTEXT:]  # ends at the root
+                traces.append({**self._trace, "turn": len(turns), "context": context})
+                traces = sorted(traces, key=lambda t: (-t["accepted_on_kept"], t["turn"]))[:TRACES_KEPT]
             turns.append(stats.record())
             before = len(tokens)
             stop_reason = extend_until_stop(tokens, emitted, self.eos_ids, max_new_tokens)
@@ -449,6 +552,13 @@ class TreeGraftDecoder:
             root = emitted[-1]
         wall_s = clock.now() - start + self._middle_charged() - charged
         self.release()
+        grafting = {
+            "accepted_tokens": sum(t["accepted"] for t in turns),  # draft tokens, the bonus excluded
+            "accepted_on_kept": sum(t["accepted_on_kept"] for t in turns),
+            "turns": len(turns),
+            "grafting_turns": sum(t["grafts_kept"] > 0 for t in turns),
+            "kept_turns": sum(t["accepted_on_kept"] > 0 for t in turns),
+        }
         return GenerationResult(
             tokens=tokens,
             prompt_tokens=len(prompt_ids),
@@ -456,4 +566,6 @@ class TreeGraftDecoder:
             prefill_time_s=prefill_s,
             stop_reason=stop_reason,
             turns=turns,
+            grafting=grafting,
+            grafting_examples=[self._decoded_trace(t) for t in traces],
         )

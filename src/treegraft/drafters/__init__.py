@@ -1,6 +1,7 @@
-"""Drafters: the n-gram lookup drafter (small) and the neural middle drafter."""
+"""Drafters: the small drafters (the n-gram lookup drafter, or a neural one) and the neural middle drafter."""
 
 from .middle import MiddleDrafter
 from .ngram import NGramConfig, NGramDrafter
+from .small import SmallDrafterConfig
 
-__all__ = ["MiddleDrafter", "NGramConfig", "NGramDrafter"]
+__all__ = ["MiddleDrafter", "NGramConfig", "NGramDrafter", "SmallDrafterConfig"]

@@ -108,14 +108,23 @@ def engine_info(pair: LoadedPair | LlamaPair) -> dict:
 
 def engine_decoder(method: str, pair: LoadedPair | LlamaPair, tree: dict | None = None,
                    sampling: SamplingConfig | None = None, scheduler=None, cache_dir: str | Path | None = None,
-                   eager_middle_prefill: bool = False):
-    """A decoder for ``method`` on whichever engine ``pair`` was loaded on (the one dispatch over engines)."""
+                   eager_middle_prefill: bool = False, small: dict | None = None):
+    """A decoder for ``method`` on whichever engine ``pair`` was loaded on (the one dispatch over engines).
+    ``small``: the tree methods' small drafter settings (None or ``ngram``: the n-gram drafter); llama.cpp
+    runs the n-gram drafter only."""
+    from ..drafters.small import small_config
+
+    small_cfg = small_config(small)
     if isinstance(pair, LlamaPair):
+        if small_cfg.neural:
+            raise ValueError(f"engine=llama_cpp runs the n-gram small drafter only; small drafter {small_cfg.name} "
+                             "needs engine=torch")
         return llama_decoder_for(method, pair, tree, sampling, scheduler, cache_dir,
                                  eager_middle_prefill=eager_middle_prefill)
     from ..decoding.factory import build_decoder
 
-    return build_decoder(method, pair, tree, sampling, scheduler, cache_dir, eager_middle_prefill=eager_middle_prefill)
+    return build_decoder(method, pair, tree, sampling, scheduler, cache_dir, eager_middle_prefill=eager_middle_prefill,
+                         small=small_cfg)
 
 
 def engine_workers(pair: LoadedPair | LlamaPair, requested: int) -> int:

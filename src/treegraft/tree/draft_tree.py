@@ -7,14 +7,23 @@ token proposed under its parent. Per node we keep (one Python list per field, in
 ``token``      token id
 ``parent``     parent node id (-1 for the root)
 ``depth``      0 for the root, parent depth + 1 otherwise
-``creator``    which drafter created it: ``ROOT``, ``SMALL`` (n-gram) or ``MIDDLE``
+``creator``    which drafter created it: ``ROOT``, ``SMALL`` (the small drafter), ``COPY_CHAIN`` (the n-gram
+               drafter's copy chain under the root) or ``MIDDLE``
 ``step``       drafting step (1..D) that created it; 0 for the root
 ``edge``       log-score of the node's token given its parent's prefix
 ``cum``        path score: sum of ``edge`` from the root (root = 0)
 ``visited``    whether the middle drafter has expanded it (``visited_mid`` in the spec)
 ``alive``      False once removed by destructive grafting (ids are never reused)
 ``children``   dict token -> child id (a token occurs at most once among siblings)
+``kept``       provenance of non-destructive grafting: 1 + the index in ``grafts`` of the graft that kept
+               this node's branch (the node is the root of a kept branch), 0 otherwise
 =============  =====================================================================
+
+``grafts`` lists the turn's non-destructive grafts that kept something, one
+``(grafted_under, step, kept_roots)`` tuple each (:meth:`note_graft`): a middle step grafted new children
+under ``grafted_under``, a node that already had children, and kept the branches rooted at ``kept_roots``
+that destructive grafting would have deleted. A node lies on a kept branch iff it or an ancestor has
+``kept`` set (nodes added under a kept branch later exist only because it was kept).
 
 Node ids are creation order, so "ties broken by creation order" is "ties broken by id".
 """
@@ -23,9 +32,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ROOT", "SMALL", "MIDDLE", "DraftTree"]
+__all__ = ["ROOT", "SMALL", "MIDDLE", "COPY_CHAIN", "CREATOR_NAMES", "DraftTree"]
 
-ROOT, SMALL, MIDDLE = -1, 0, 1
+ROOT, SMALL, MIDDLE, COPY_CHAIN = -1, 0, 1, 2
+CREATOR_NAMES = {ROOT: "root", SMALL: "small", MIDDLE: "middle", COPY_CHAIN: "copy"}
 
 
 @dataclass
@@ -42,6 +52,8 @@ class DraftTree:
     visited: list[bool] = field(default_factory=list)
     alive: list[bool] = field(default_factory=list)
     children: list[dict[int, int]] = field(default_factory=list)
+    kept: list[int] = field(default_factory=list)
+    grafts: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
 
     @classmethod
     def with_root(cls, root_token: int) -> "DraftTree":
@@ -69,6 +81,7 @@ class DraftTree:
         self.visited.append(False)
         self.alive.append(True)
         self.children.append({})
+        self.kept.append(0)
         return node
 
     def add_child(self, parent: int, token: int, edge: float, creator: int, step: int) -> int:
@@ -149,5 +162,35 @@ class DraftTree:
         return DraftTree(
             token=list(self.token), parent=list(self.parent), depth=list(self.depth), creator=list(self.creator),
             step=list(self.step), edge=list(self.edge), cum=list(self.cum), visited=list(self.visited),
-            alive=list(self.alive), children=[dict(c) for c in self.children],
+            alive=list(self.alive), children=[dict(c) for c in self.children], kept=list(self.kept),
+            grafts=list(self.grafts),
         )
+
+    # ------------------------------------------------------------------ grafting provenance
+    def note_graft(self, node: int, step: int, existing: dict[int, int], proposed) -> tuple[int, ...]:
+        """Record a non-destructive graft under ``node`` at ``step``: ``existing`` are its children (token ->
+        id) before the graft, ``proposed`` the tokens the middle drafter proposed there. A child whose token
+        was not proposed is a kept branch (destructive grafting deletes it and never brings it back); a
+        re-proposed child would be re-added by destructive grafting without its subtree, so its own
+        children are the kept branches. Returns the kept roots (the event is recorded only if there are any)."""
+        proposed = set(proposed)
+        roots: list[int] = []
+        for token, child in existing.items():
+            if not self.alive[child]:
+                continue
+            if token in proposed:
+                roots.extend(c for c in self.children[child].values() if self.alive[c])
+            else:
+                roots.append(child)
+        if roots:
+            self.grafts.append((node, int(step), tuple(roots)))
+            for n in roots:
+                if not self.kept[n]:  # the first graft that kept it
+                    self.kept[n] = len(self.grafts)
+        return tuple(roots)
+
+    def first_kept(self, path_nodes: list[int]) -> int | None:
+        """Index in ``path_nodes`` (a root-down path: the root, then accepted nodes) of its first node on a
+        kept branch, None if none: the path's nodes from there on exist only because grafting kept them."""
+        kept = self.kept
+        return next((i for i, n in enumerate(path_nodes) if kept[n]), None)

@@ -11,9 +11,11 @@ __all__ = ["TreeBuilder", "TurnPlan", "BuildState", "SingleDrafterBuilder", "Sha
            "builder_for"]
 
 
-def builder_for(cfg: TreeConfig, ngram, middle=None, clock=None) -> TreeBuilder:
-    """The builder of ``cfg``'s method: the cascade chain (``csd``), the shared tree, or single-drafter."""
+def builder_for(cfg: TreeConfig, ngram, middle=None, clock=None, small=None,
+                small_top_m: int | None = None) -> TreeBuilder:
+    """The builder of ``cfg``'s method: the cascade chain (``csd``), the shared tree, or single-drafter;
+    ``small``: a neural small drafter in place of the n-gram drafter (:class:`TreeBuilder`)."""
     preset = cfg.preset
     if preset.csd:
-        return CascadeChainBuilder(cfg, ngram, middle, clock)
-    return (SharedTreeBuilder if preset.shared else SingleDrafterBuilder)(cfg, ngram, middle, clock)
+        return CascadeChainBuilder(cfg, ngram, middle, clock, small, small_top_m)
+    return (SharedTreeBuilder if preset.shared else SingleDrafterBuilder)(cfg, ngram, middle, clock, small, small_top_m)

@@ -1,4 +1,5 @@
-"""What every tree builder shares: the turn's plan, the construction state and the n-gram (small) step."""
+"""What every tree builder shares: the turn's plan, the construction state and the small drafter's step
+(the n-gram drafter's lookups, or a neural small drafter's top-m)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from typing import Callable
 
 from ...devices import Clock
 from ...drafters.ngram import NGramDrafter
-from ...tree import MIDDLE, SMALL, DraftTree
+from ...drafters.middle import argmax_scores, topk
+from ...tree import COPY_CHAIN, MIDDLE, SMALL, DraftTree
 from ..tree_config import TreeConfig
 from ..turn_stats import TurnStats
 
@@ -49,16 +51,23 @@ class TreeBuilder:
 
     ``start`` gives the root-only tree and its state, ``apply_step`` runs step ``t`` with an action
     (0 = n-gram drafter, 1 = middle drafter) in place, ``build`` runs all D steps with the actions a
-    ``decide(tree, state, step)`` callback returns. The n-gram step is the same everywhere: the top W of
-    the nodes the previous step created, each given up to m children (the root also a copy chain).
+    ``decide(tree, state, step)`` callback returns. The small step is the same everywhere: the top W of
+    the nodes the previous step created, each given up to m children by the small drafter (the n-gram
+    drafter, which also puts a copy chain under the root, or a neural small drafter).
     """
 
-    def __init__(self, cfg: TreeConfig, ngram: NGramDrafter, middle=None, clock: Clock | None = None):
-        """``clock``: the decoder's (:class:`~treegraft.devices.Clock`: it waits for the models' devices)."""
+    def __init__(self, cfg: TreeConfig, ngram: NGramDrafter, middle=None, clock: Clock | None = None, small=None,
+                 small_top_m: int | None = None):
+        """``clock``: the decoder's (:class:`~treegraft.devices.Clock`: it waits for the models' devices).
+        ``small``: a neural small drafter (a :class:`~treegraft.decoding.engine.DraftModel`, e.g. a
+        :class:`~treegraft.drafters.middle.MiddleDrafter` over a self-draft) that proposes the small steps'
+        children instead of the n-gram drafter; ``small_top_m``: its children per node (None: the turn's m)."""
         self.cfg = cfg
         self.preset = cfg.preset
         self.ngram = ngram
         self.middle = middle
+        self.small = small
+        self.small_top_m = small_top_m
         self.clock = clock or Clock()
         self.small_kinds: dict[int, tuple] = {}  # this turn's n-gram nodes -> their kind (the drafter learns rates)
 
@@ -66,6 +75,8 @@ class TreeBuilder:
         """A turn's root-only tree and its construction state (the middle drafter starts a new turn)."""
         if self.middle is not None:
             self.middle.start_turn()
+        if self.small is not None:
+            self.small.start_turn()
         self.small_kinds = {}
         return DraftTree.with_root(root_token), BuildState(plan)
 
@@ -124,6 +135,10 @@ class TreeBuilder:
         return selected
 
     def expand_small(self, tree: DraftTree, nodes: list[int], step: int, plan: TurnPlan, stats: TurnStats) -> None:
+        """The small drafter's children (up to m each) under ``nodes``, timed into ``stats.small_s``."""
+        if self.small is not None:
+            self.expand_small_neural(tree, nodes, step, plan, stats)
+            return
         start = self.clock.now()
         cap = self.cfg.node_cap
         kinds = self.small_kinds
@@ -132,7 +147,7 @@ class TreeBuilder:
             for token, score, kind in self.ngram.copy_chain_kinds([]):
                 if len(tree) >= cap:
                     break
-                parent = tree.add_child(parent, token, score, SMALL, step)
+                parent = tree.add_child(parent, token, score, COPY_CHAIN, step)
                 kinds.setdefault(parent, kind)
         for node in nodes:
             children, _ = self.ngram.propose_kinds(tree.path_tokens(node), plan.top_m)
@@ -144,6 +159,55 @@ class TreeBuilder:
         stats.small_s += elapsed
         stats.small_propose_s += elapsed
         stats.small_calls += len(nodes)
+
+    def expand_small_neural(self, tree: DraftTree, nodes: list[int], step: int, plan: TurnPlan,
+                            stats: TurnStats) -> None:
+        """A neural small drafter's step: one incremental forward over ``nodes`` (and whatever ancestors it
+        has not encoded), then its top-m tokens under each node, scored by its own log-probabilities."""
+        start = self.clock.now()
+        small = self.small
+        before = small.forward_s
+        small.encode(tree, nodes)
+        m, cap = self.small_top_m or plan.top_m, self.cfg.node_cap
+        proposals = topk([small.logprobs[node] for node in nodes], m)  # one host read
+        for node, (lp, ids) in zip(nodes, proposals):
+            for token, score in zip(ids, lp):
+                if len(tree) >= cap:
+                    break
+                tree.add_child(node, token, score, SMALL, step)
+        elapsed = self.clock.now() - start
+        stats.small_s += elapsed
+        stats.small_propose_s += elapsed
+        stats.small_forward_s += small.forward_s - before
+        stats.small_calls += len(nodes)
+
+    def small_chain(self, tree: DraftTree, end: int, length: int, stats: TurnStats) -> list[int]:
+        """Up to ``length`` nodes of the small drafter's greedy chain below ``end``, added to the tree (the
+        cascade's proposal), timed into ``stats.small_s``."""
+        start = self.clock.now()
+        chain, parent = [], end
+        if self.small is None:
+            path = tree.path_tokens(end)
+            proposal: list[tuple[int, float]] = []
+            for _ in range(length):
+                children, _ = self.ngram.propose(path + [t for t, _ in proposal], 1)
+                if not children:
+                    break
+                proposal.append(children[0])
+            for token, score in proposal:
+                parent = tree.add_child(parent, token, score, SMALL, tree.depth[parent] + 1)
+                chain.append(parent)
+        else:
+            before = self.small.forward_s
+            for _ in range(length):  # one forward per token: a neural chain is sequential
+                self.small.encode(tree, [parent])
+                token, score = argmax_scores([self.small.logprobs[parent]])[0]
+                parent = tree.add_child(parent, token, score, SMALL, tree.depth[parent] + 1)
+                chain.append(parent)
+            stats.small_forward_s += self.small.forward_s - before
+        stats.small_s += self.clock.now() - start
+        stats.small_calls += len(chain)
+        return chain
 
     def ngram_outcomes(self, tree: DraftTree, kept: set[int], path_nodes: list[int], emitted: list[int],
                        greedy: bool) -> list[tuple[tuple, bool]]:

@@ -1,12 +1,13 @@
 """A Cascade-Speculative-Drafting-style chain: the middle drafter drafts D tokens, itself sped up by the
-n-gram drafter's proposals, and the target verifies the chain."""
+small drafter's proposals (the n-gram drafter's, or a neural small drafter's greedy chain), and the
+target verifies the chain."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 from ...drafters.middle import argmax_scores
-from ...tree import MIDDLE, SMALL, DraftTree
+from ...tree import MIDDLE, DraftTree
 from ..turn_stats import TurnStats
 from .base import BuildState, TreeBuilder, TurnPlan
 
@@ -14,7 +15,7 @@ __all__ = ["CascadeChainBuilder"]
 
 
 class CascadeChainBuilder(TreeBuilder):
-    """Each round the n-gram drafter proposes a greedy chain below the current end; one middle forward
+    """Each round the small drafter proposes a greedy chain below the current end; one middle forward
     scores it; the middle drafter keeps the longest prefix equal to its own argmax choices and adds its
     argmax after it (a lossless greedy cascade at the drafting level). No schedule: every step is the
     middle drafter's."""
@@ -29,20 +30,7 @@ class CascadeChainBuilder(TreeBuilder):
         end = 0
         clock = self.clock
         while tree.depth[end] < depth:
-            t0 = clock.now()
-            path = tree.path_tokens(end)
-            proposal: list[tuple[int, float]] = []
-            for _ in range(depth - tree.depth[end] - 1):
-                children, _ = self.ngram.propose(path + [t for t, _ in proposal], 1)
-                if not children:
-                    break
-                proposal.append(children[0])
-            chain, parent = [], end
-            for token, score in proposal:
-                parent = tree.add_child(parent, token, score, SMALL, tree.depth[parent] + 1)
-                chain.append(parent)
-            stats.small_s += clock.now() - t0
-            stats.small_calls += len(proposal)
+            chain = self.small_chain(tree, end, depth - tree.depth[end] - 1, stats)
             t1 = clock.now()
             self.encode_middle(tree, [end] + chain, stats)
             stats.middle_calls += 1

@@ -8,7 +8,8 @@ forward of the middle drafter over every node of its scope it has not encoded ye
   of the scope, at any depth, root included (ablation: the newest nodes only);
 * non-destructive grafting: a selected node's q_m top-m tokens become children; a token already there
   keeps its node and subtree and takes the middle drafter's score (ablation: destructive grafting
-  first deletes the selected node's subtrees).
+  first deletes the selected node's subtrees). Every graft under a node that already had children records
+  which branches it kept (:meth:`~treegraft.tree.DraftTree.note_graft`), for the grafting traces.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class SharedTreeBuilder(TreeBuilder):
             tree.visited[node] = True
             if self.preset.grafting == "destructive":
                 tree.remove_subtrees_below(node)
+            existing = dict(tree.children[node]) if tree.children[node] else None  # the historical branches
             for token, score in zip(ids, lp):
                 child = tree.children[node].get(token)
                 if child is not None:  # non-destructive: the branch stays, with the middle's score
@@ -94,6 +96,8 @@ class SharedTreeBuilder(TreeBuilder):
                 if len(tree) >= cap:
                     break
                 tree.add_child(node, token, score, MIDDLE, step)
+            if existing:  # provenance: which branches only non-destructive grafting kept
+                tree.note_graft(node, step, existing, ids)
         stats.middle_s += self.clock.now() - start
         stats.middle_calls += 1
         build.rescored_from = len(tree)
