@@ -22,7 +22,13 @@ def make_record(pair: str, benchmark: str, method: str, question_id: int, result
 
     ``accept_lengths`` (tokens per target forward, bonus included) come from the turns of the tree
     methods and of the HF peers, and are 1 per token for ``ar``; the field is left out where a
-    method reports no steps."""
+    method reports no steps.
+
+    ``grafting`` (tree methods; None for ``ar`` and the HF peers): ``accepted_tokens`` (draft tokens
+    accepted, bonus excluded), ``accepted_on_kept`` (those on branches only non-destructive grafting
+    kept), ``turns``, ``grafting_turns`` (turns with a non-destructive graft that kept a branch) and
+    ``kept_turns`` (turns whose accepted path used a kept branch); ``grafting_examples``: up to two such
+    turns traced as text pieces (:meth:`~treegraft.decoding.TreeGraftDecoder.generate`)."""
     turns = result.turns
     choice = {"index": 0, "turns": [text], "new_tokens": [result.new_tokens], "wall_time": [result.wall_time_s]}
     if turns:
@@ -54,18 +60,25 @@ def make_record(pair: str, benchmark: str, method: str, question_id: int, result
         "time_split": split,
         "mean_budget": sum(budgets) / len(budgets) if budgets else None,  # B_ver verified per turn
         "prefill_s": result.prefill_time_s,
+        "grafting": getattr(result, "grafting", None),
+        "grafting_examples": getattr(result, "grafting_examples", None),
         **(context or {}),
         "tstamp": time.time(),
     }
 
 
 def read_records(eval_dir: Path) -> pd.DataFrame:
-    """Every record under ``eval_dir`` as a flat frame (one row per prompt x method)."""
+    """Every record under ``eval_dir`` as a flat frame (one row per prompt x method). The grafting counts
+    are columns ``grafting_accepted_tokens``, ``grafting_accepted_on_kept``, ``grafting_turns`` and
+    ``grafting_kept_turns`` (NaN where a record has none: ``ar``, the HF peers, older records); the traced
+    turns stay in ``grafting_examples`` (the record's list, or None)."""
+    nan = float("nan")
     rows = []
     for path in sorted(Path(eval_dir).glob("*/*/*.jsonl")):
         for line in path.read_text().splitlines():
             r = json.loads(line)
             c = r["choices"][0]
+            grafting = r.get("grafting") or {}
             rows.append({
                 "pair": r["pair"], "benchmark": r["benchmark"], "method": r["method"], "question_id": r["question_id"],
                 "new_tokens": c["new_tokens"][0], "wall_time": c["wall_time"][0], "turns": r["turns"],
@@ -79,6 +92,11 @@ def read_records(eval_dir: Path) -> pd.DataFrame:
                 # the engine (records before it existed ran on PyTorch)
                 "engine": r.get("engine", "torch"), "engine_build": r.get("engine_build"),
                 "engine_exact": r.get("engine_exact"),
+                "grafting_accepted_tokens": grafting.get("accepted_tokens", nan),
+                "grafting_accepted_on_kept": grafting.get("accepted_on_kept", nan),
+                "grafting_turns": grafting.get("grafting_turns", nan),
+                "grafting_kept_turns": grafting.get("kept_turns", nan),
+                "grafting_examples": r.get("grafting_examples"),
             })
     if not rows:
         raise FileNotFoundError(f"no evaluation records under {eval_dir}")
