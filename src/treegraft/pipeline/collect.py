@@ -433,7 +433,8 @@ def _collect_setup(cfg, pair_name: str, collect_dir: Path, console):
     if p.get("collect_schedule") is not None:  # the decoding between enumerated turns (the planner's state)
         tree["schedule"] = [int(a) for a in p.collect_schedule]
     pair = load_engine_pair(pair_spec(pair_name), cfg, log=console.print, device=p.device, dtype=p.dtype)
-    decoder = engine_decoder("fixed", pair, tree, cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True)
+    small = OmegaConf.to_container(cfg.small, resolve=True) if cfg.get("small") else None  # small=: the small drafter
+    decoder = engine_decoder("fixed", pair, tree, cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True, small=small)
     budget = decoder.budget()
     first = p.fit_benchmarks[0]
     warm_ids = stage_prompts(cfg, pair.tokenizer, first, int(pp.prompts_per_benchmark), int(p.prompt_offset))[0][1]

@@ -29,7 +29,8 @@ from rich.console import Console
 from tqdm.auto import tqdm
 
 from ..decoding.equality import compare_outputs
-from ..decoding.factory import LEARNED_ARTIFACTS, LEARNED_METHODS, load_learned_scheduler, parse_method
+from ..decoding.factory import (LEARNED_ARTIFACTS, LEARNED_METHODS, load_learned_scheduler, method_small, parse_method,
+                                small_settings)
 from ..llama_cpp.select import engine_decoder, engine_info, engine_workers, load_engine_pair
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
@@ -57,6 +58,14 @@ def eval_pairs(cfg: DictConfig) -> list[str]:
     p = cfg.pipeline
     pairs = list(p.eval_pairs) if p.get("eval_pairs") else list(p.pairs)
     return pairs + [h for h in (p.held_out_pairs or []) if h not in pairs]
+
+
+def small_for(cfg: DictConfig, method: str) -> dict | None:
+    """The small drafter settings ``method`` runs with: the one its variant names (``fixed@self_draft``), else
+    the configured ``small`` group (default ``ngram``); None for the n-gram drafter."""
+    name = method_small(method)
+    settings = small_settings(name) if name else (OmegaConf.to_container(cfg.small, resolve=True) if cfg.get("small") else None)
+    return None if not settings or settings.get("name") == "ngram" else settings
 
 
 def evaluate_benchmarks(cfg: DictConfig) -> list[str]:
@@ -125,6 +134,9 @@ def run_key(cfg: DictConfig, pair: str, method: str, artifacts: Path) -> str:
         from ..llama_cpp.build import installed_build
 
         parts["engine"] = {**engine, "build": (installed_build() or {}).get("patch_id")}
+    small = small_for(cfg, method)
+    if small is not None:  # (absent for the n-gram drafter: records of earlier runs stay valid)
+        parts["small"] = small
     base, _ = parse_method(method)
     if base in LEARNED_ARTIFACTS:
         parts["artifacts"] = {name: file_hash(artifacts / name) for name in LEARNED_ARTIFACTS[base]}
@@ -220,7 +232,8 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], pulle
     decoders, contexts = {}, {}
     for method in sorted(todo, key=lambda m: "@" in m):  # every warm-up before any timing; variants after their base
         base, scales = parse_method(method)
-        dec = engine_decoder(base, pair, tree, sampling, schedulers.get(base), cfg.paths.cache_dir)
+        small = small_for(cfg, method)
+        dec = engine_decoder(base, pair, tree, sampling, schedulers.get(base), cfg.paths.cache_dir, small=small)
         if isinstance(dec, TreeGraftDecoder) and dec.middle is not None:
             if scales and base in decoders:  # a sensitivity variant: its base's calibrated context, rescaled
                 dec.generate(warm_ids, int(p.warmup_tokens))
@@ -234,6 +247,9 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], pulle
                 sched = sched.for_context(dec.t_tgt_ms, dec.t_mid_ms)
             contexts[method] = {"t_tgt_ms": dec.t_tgt_ms, "t_mid_ms": dec.t_mid_ms,
                                 "scheduler_policy": getattr(sched, "policy_name", None)}
+        if isinstance(dec, TreeGraftDecoder):  # which small drafter the tree method drafted with
+            contexts.setdefault(method, {})["small_drafter"] = (small or {}).get("name", "ngram") + (
+                f":{small['layers']}" if (small or {}).get("layers") else "")
         else:
             dec.generate(warm_ids, int(p.warmup_tokens))  # warm-up, not scored
         decoders[method] = dec
