@@ -236,3 +236,21 @@ def test_a_killed_collect_job_resumes_where_it_stopped(tmp_path):
     assert all(after[p] == m for p, m in done.items())  # the finished prompt is not redone
     assert collect_coverage(cfg, tmp_path / "pipeline" / "smoke_sweep" / "collect").missing["tiny-random", "gsm8k"] == \
         Shard(0, 2).take(ids)  # what the other range's job has yet to do
+
+
+def test_records_of_one_prompt_in_several_files_count_once_the_newest(tmp_path):
+    from treegraft.pipeline.records import read_records
+
+    folder = tmp_path / "p" / "gsm8k"
+    folder.mkdir(parents=True)
+
+    def record(q, wall, tstamp):
+        return json.dumps({"pair": "p", "benchmark": "gsm8k", "method": "fixed", "question_id": q,
+                           "choices": [{"new_tokens": [4], "wall_time": [wall]}], "turns": 2, "accepted": [1, 1],
+                           "middle_calls": 0, "steps": 2, "time_split": {"small_s": 0.0}, "tstamp": tstamp}) + "\n"
+
+    (folder / "fixed.shard0of2.jsonl").write_text(record(0, 1.0, 1.0))
+    (folder / "fixed.shard1of2.jsonl").write_text(record(1, 2.0, 1.0))
+    (folder / "fixed.jsonl").write_text(record(0, 3.0, 2.0) + record(1, 4.0, 0.5))  # q0 redone later, q1 older
+    df = read_records(tmp_path).set_index("question_id")
+    assert len(df) == 2 and df.loc[0, "wall_time"] == 3.0 and df.loc[1, "wall_time"] == 2.0

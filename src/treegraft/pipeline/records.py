@@ -68,7 +68,8 @@ def make_record(pair: str, benchmark: str, method: str, question_id: int, result
 
 
 def read_records(eval_dir: Path) -> pd.DataFrame:
-    """Every record under ``eval_dir`` as a flat frame (one row per prompt x method). The grafting counts
+    """Every record under ``eval_dir`` as a flat frame (one row per prompt x method: the newest where several
+    record files of a method hold one, as a sharded run's prompt ranges beside a whole-range run). The grafting counts
     are columns ``grafting_accepted_tokens``, ``grafting_accepted_on_kept``, ``grafting_turns`` and
     ``grafting_kept_turns`` (NaN where a record has none: ``ar``, the HF peers, older records); the traced
     turns stay in ``grafting_examples`` (the record's list, or None)."""
@@ -97,10 +98,15 @@ def read_records(eval_dir: Path) -> pd.DataFrame:
                 "grafting_turns": grafting.get("grafting_turns", nan),
                 "grafting_kept_turns": grafting.get("kept_turns", nan),
                 "grafting_examples": r.get("grafting_examples"),
+                "tstamp": r.get("tstamp", 0.0),
             })
     if not rows:
         raise FileNotFoundError(f"no evaluation records under {eval_dir}")
-    return pd.DataFrame(rows)
+    # a prompt recorded in several files of a method (a sharded run's prompt ranges beside a whole-range run's
+    # file): its newest record counts, once
+    df = pd.DataFrame(rows).sort_values("tstamp", kind="stable")
+    df = df.drop_duplicates(["pair", "benchmark", "method", "question_id"], keep="last")
+    return df.sort_index().reset_index(drop=True)
 
 
 def summarize_records(records: pd.DataFrame) -> pd.DataFrame:

@@ -23,6 +23,7 @@ from .common import fold_intervals, to_markdown
 from .distill import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER
 from .estimates import PromptTable, method_intervals
 from .evaluate import read_records, summarize_records
+from .grafting import grafting_examples, grafting_table
 
 __all__ = [
     "load_summary",
@@ -34,6 +35,7 @@ __all__ = [
     "scheduling_table",
     "held_out_table",
     "sensitivity_table",
+    "small_drafter_table",
     "write_table",
     "make_tables",
     "make_figures",
@@ -95,11 +97,16 @@ STUDIES = {
     "offline_contrasts": Study("offline differences between schedulers, points of the oracle",
                                needs="`make distill` (distill/offline_contrasts.csv)"),
     "oof": Study("grouped out-of-fold errors of the value heads per feature subset", needs="`make fit` (fit/oof_summary.csv)"),
-    "small_drafter": Study("Table 9: the small-drafter study", ("cpu_small",)),
-    "grafting": Study("Appendix G: grafting traces", ("cpu_small",)),
+    "small_drafter": Study("Table 9: a tree method with the n-gram small drafter against the same method with a "
+                           "neural one (`<method>@<small drafter>`): speedup, AL, small-drafter time share, the "
+                           "n-gram's gain", ("cpu_small",)),
+    "grafting": Study("Appendix G: the share of accepted draft tokens that lay on branches only non-destructive "
+                      "grafting kept, per pair x tree method (and grafting_examples.md: two traced turns)",
+                      ("cpu_small", "smoke")),
 }
 # what scripts/report.py prints (every table is written and logged)
-PRINTED = ("main", "gain", "scheduling", "ablation", "held_out", "sensitivity", "offline_scheduler", "offline_contrasts")
+PRINTED = ("main", "gain", "scheduling", "ablation", "held_out", "sensitivity", "small_drafter", "grafting",
+           "offline_scheduler", "offline_contrasts")
 FIGURES = {
     "speedup_per_benchmark": "speedup per method and benchmark, per pair, 95% CIs",
     "al_vs_call_rate": "mean AL vs middle-drafter call rate, one point per pair and method, 95% CIs",
@@ -285,6 +292,34 @@ def sensitivity_table(summary: pd.DataFrame, *, prompts: PromptTable) -> pd.Data
     return pd.DataFrame(rows)
 
 
+def small_drafter_table(summary: pd.DataFrame, *, prompts: PromptTable) -> pd.DataFrame:
+    """Table 9: per pair, every tree method evaluated with a neural small drafter (``fixed@self_draft``) beside
+    the same method with the n-gram one (``fixed``), on the same prompts: speedup, AL, the small drafter's share
+    of turn time, and on each neural row the n-gram's gain over it (% , paired CI)."""
+    from ..decoding.factory import method_small
+
+    rows = []
+    for pair in dict.fromkeys(summary["pair"]):
+        part = summary[summary["pair"] == pair]
+        methods = list(dict.fromkeys(part["method"]))
+        variants = [m for m in methods if "@" in m and method_small(m)]
+        for base in dict.fromkeys(m.partition("@")[0] for m in variants):
+            if base not in methods:
+                continue
+            for method in [base, *[v for v in variants if v.partition("@")[0] == base]]:
+                small = method_small(method) or "ngram"
+                row = {"pair": pair, "method": base, "small drafter": small}
+                speedup = _put(row, "speedup", prompts.speedup(method, [pair]))
+                _put(row, "mean AL", prompts.al(method, [pair]))
+                share = part.loc[part["method"] == method, "share_small"]
+                row["small time share"] = float(share.mean()) if share.notna().any() else float("nan")
+                _put(row, "n-gram gain over it %", prompts.gain(base, [method], [pair]) if method != base
+                     else NAN_INTERVAL)
+                row["n prompts"] = speedup.n
+                rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def write_table(df: pd.DataFrame, out_dir: Path, name: str) -> None:
     """``<name>.csv`` (numbers: every CI as ``lo`` / ``hi`` columns) and ``<name>.md`` / ``<name>.tex``
     (every CI folded into its cell: ``1.23 [1.10, 1.35]``)."""
@@ -340,6 +375,8 @@ def make_tables(exp_dir: Path, held_out_pairs: Sequence[str] = (), held_out_benc
         "scheduling": scheduling_table(summary, prompts=prompts),
         "held_out": held_out_table(summary, held_out_pairs, held_out_benchmarks, prompts=prompts),
         "sensitivity": sensitivity_table(summary, prompts=prompts),
+        "small_drafter": small_drafter_table(summary, prompts=prompts),
+        "grafting": grafting_table(records, n_resamples),
     }
     for name, path in (("offline_scheduler", "distill/offline_eval.csv"), ("offline_contrasts", "distill/offline_contrasts.csv"),
                        ("oof", "fit/oof_summary.csv")):
@@ -350,8 +387,34 @@ def make_tables(exp_dir: Path, held_out_pairs: Sequence[str] = (), held_out_benc
         _remove(out_dir, name, ("csv", "md", "tex"))
     for name, df in tables.items():
         write_table(df, out_dir, name)
+    examples = grafting_examples(records, k=2) if "grafting" in tables else []
+    if examples:  # Appendix G's two traced turns, as text
+        atomic_write_text("# Traced turns: a branch only non-destructive grafting kept, accepted by the target\n\n"
+                          + "\n\n".join(f"```text\n{e}\n```" for e in examples) + "\n", out_dir / "grafting_examples.md")
+    else:
+        _remove(out_dir, "grafting_examples", ("md",))
+    coverage = _evaluate_coverage(exp_dir)
+    if coverage is not None:
+        atomic_write_text(coverage + "\n", out_dir / "coverage.txt")
     write_index(out_dir, exp_dir.name)
     return tables
+
+
+def _evaluate_coverage(exp_dir: Path) -> str | None:
+    """The line saying which prompts the evaluation asked for have no record (from ``evaluate/config.yaml``,
+    the config the last evaluate job ran with), or None where that config is not there."""
+    from omegaconf import OmegaConf
+
+    from .evaluate import evaluate_coverage
+
+    config = Path(exp_dir) / "evaluate" / "config.yaml"
+    if not config.exists():
+        return None
+    cfg = OmegaConf.load(config)
+    try:
+        return evaluate_coverage(cfg, Path(exp_dir) / "evaluate").line()
+    except (KeyError, ValueError, FileNotFoundError, AttributeError) as err:  # a config of older code
+        return f"evaluate coverage: not computed ({str(err).splitlines()[0]})"
 
 
 def headline_metrics(tables: dict[str, pd.DataFrame]) -> dict[str, float]:
@@ -459,6 +522,9 @@ def write_index(out_dir: Path, experiment: str | None = None) -> Path:
              "`notebooks/reproduce.ipynb`). Every interval is a 95% paired bootstrap CI over prompts, resampled "
              "within benchmarks; n = prompts. Each table is here as CSV (numbers, CIs as `lo` / `hi` columns), "
              "Markdown and LaTeX (CIs folded into the cell).", ""]
+    coverage = out_dir / "coverage.txt"
+    if coverage.exists():  # what the evaluation asked for and has no record of (a sweep's jobs still running)
+        lines += ["## Coverage", "", coverage.read_text().strip(), ""]
     for label in ("better endpoint", "best HF peer"):
         across = _across_pairs_lines(tables["gain"], label) if "gain" in tables else []
         if across:
@@ -469,6 +535,9 @@ def write_index(out_dir: Path, experiment: str | None = None) -> Path:
         descriptions = {**TABLES, **{k: v.description for k, v in STUDIES.items()}}
         for name, df in tables.items():
             lines.append(f"| [{name}]({name}.md) | {descriptions.get(name, '--')} | {_n_prompts(df)} |")
+        if (out_dir / "grafting_examples.md").exists():
+            lines.append("| [grafting_examples](grafting_examples.md) | two traced turns whose accepted path ran "
+                         "through a branch only non-destructive grafting kept | -- |")
     else:
         lines.append("No table written yet: `make tables`.")
     figures = [p.stem for p in sorted(out_dir.glob("*.png"))]
