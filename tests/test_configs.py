@@ -16,7 +16,7 @@ from .conftest import compose
 GROUPS = sorted(p.name for p in CONF_DIR.iterdir() if p.is_dir() and p.name != "hydra")
 
 
-DEFAULT_GROUPS = {"pair", "method", "paths", "tree", "engine", "placement"}
+DEFAULT_GROUPS = {"pair", "method", "paths", "tree", "engine", "placement", "small"}
 # groups that only the pipeline's primary configs list (`evaluate` lists them all)
 PIPELINE_GROUPS = {"pipeline", "scheduler", "evaluation", "logger", "experiment"}
 
