@@ -13,6 +13,7 @@ from treegraft.drafters.middle import MiddleDrafter
 from treegraft.drafters.small import SmallDrafterConfig, small_config
 from treegraft.model_io import forward_hidden, new_cache
 from treegraft.scheduling import FixedScheduler
+from treegraft.decoding.turn_stats import TurnStats
 from treegraft.tree import SMALL, DraftTree
 
 from .conftest import compose
@@ -219,9 +220,11 @@ def test_bad_small_drafter_settings_are_one_line_errors(tiny_pair):
     with pytest.raises(ValueError, match="unknown small drafter 'nope'; expected one of ngram, .*self_draft") as excinfo:
         small_settings("nope")
     one_line_error(excinfo)
-    with pytest.raises(ValueError, match="method ar has no small drafter") as excinfo:
-        decoder_for("ar", target, middle, tok, small=SELF_DRAFT_1)
+    with pytest.raises(ValueError, match="layers must be an int >= 1") as excinfo:  # checked where unused too
+        decoder_for("ar", target, middle, tok, small={"name": "self_draft", "layers": 0})
     one_line_error(excinfo)
+    # one configured small drafter serves a method list: a method without a small drafter ignores it
+    assert isinstance(decoder_for("ar", target, middle, tok, small=SELF_DRAFT_1), AutoregressiveDecoder)
 
 
 def test_a_small_model_of_another_tokenizer_is_refused(tiny_pair):
@@ -297,3 +300,34 @@ def test_greedy_equals_ar_on_smollm2_with_a_self_draft_small_drafter(smollm2_sel
                            eos_ids=eos, small=small_settings("self_draft"))
     assert dec.generate(ids, 10).tokens == ref
     assert len(dec.small.model.base_model.layers) == 6
+
+
+def test_schedule_enumeration_with_a_neural_small_drafter_matches_each_schedule_built_alone(tiny_pair):
+    """collect's enumeration branches the turn at every step (the skip branch on a copy of the tree): each
+    branch's small steps must see the small drafter's state of that branch, so every schedule's outcome
+    equals the same schedule built and verified alone from the same state."""
+    import itertools
+
+    from treegraft.pipeline.enumeration import enumerate_turn, schedule_key
+
+    tok, target = tiny_pair.tokenizer, tiny_pair.target
+    ids = tok(PROMPTS[1]).input_ids
+    cfg = TreeConfig.paper(method="fixed", budget=10, width=3, top_m=3)
+    small = {"name": "self_draft", "layers": 2}  # the target's own layers: its proposals are accepted
+
+    def fresh():
+        dec = TreeGraftDecoder(target, target, tok, cfg, small=small, eos_ids=set(), eager_middle_prefill=True)
+        dec._prefill(ids)
+        return dec
+
+    enumerated = enumerate_turn(fresh(), ids[-1], with_signals=False).outcomes
+    alone = {}
+    for schedule in itertools.product([0, 1], repeat=cfg.depth):
+        dec = fresh()
+        stats = TurnStats()
+        tree = dec.build_tree(ids[-1], list(schedule), stats)
+        inputs, acc = dec.verify_tree(tree, stats)
+        alone[schedule_key(schedule)] = (acc.accepted, len(tree), inputs.size - 1)
+    got = {k: (o.accepted, o.tree_nodes, o.verified_nodes) for k, o in enumerated.items()}
+    assert got == alone
+    assert len({a for a, _, _ in alone.values()}) > 1  # the schedules differ: a wrong branch state would show

@@ -156,15 +156,13 @@ def decoder_for(method: str, target, middle, tokenizer=None, tree: dict | None =
     tree decoders encode the prompt into the middle drafter at prefill (schedule enumeration wants it).
     ``small``: the tree methods' small drafter, a settings dict (:func:`small_settings`, the Hydra ``small``
     node) or :class:`~treegraft.drafters.small.SmallDrafterConfig`; None or ``ngram``: the n-gram drafter.
-    ``small_model``: a neural small drafter's model, already loaded (default: built from ``small``).
-    A method variant (``fixed@self_draft``) is not a method here: split it with :func:`parse_method` /
-    :func:`method_small` and pass ``small_settings(method_small(m))``.
+    Methods without a small drafter (``ar``, the HF peers) ignore it, so one configured ``small`` serves a
+    whole method list. ``small_model``: a neural small drafter's model, already loaded (default: built
+    from ``small``). A method variant (``fixed@self_draft``) is not a method here: split it with
+    :func:`parse_method` / :func:`method_small` and pass ``small_settings(method_small(m))``.
     """
     sampling = sampling or SamplingConfig()
-    small_cfg = small_config(small)
-    if small_cfg.neural and method not in TREE_METHODS:
-        raise ValueError(f"method {method} has no small drafter; small drafter {small_cfg.name} needs a tree method "
-                         f"({', '.join(TREE_METHODS)})")
+    small_cfg = small_config(small)  # checked for every method: a bad setting is an error even where unused
     eos = eos_token_ids(target, tokenizer) if eos_ids is None else set(eos_ids)
     if method == "ar":
         return AutoregressiveDecoder(target, eos, sampling)

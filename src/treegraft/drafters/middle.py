@@ -198,7 +198,11 @@ class MiddleDrafter:
         self.pending, self.slot_of, self.logprobs, self.hidden = list(pending), dict(slot_of), dict(logprobs), dict(hidden)
 
     def start_turn(self) -> None:
+        """A new turn's tree: no slots yet, and the cache holds the committed context only (slots of a
+        turn that was abandoned rather than committed, e.g. an enumeration's last branch, go)."""
         self.slot_of, self.logprobs, self.hidden = {}, {}, {}
+        if self.cache is not None and cache_length(self.cache) > self.committed:
+            truncate_cache(self.cache, self.committed)
 
     @property
     def context_len(self) -> int:
