@@ -25,13 +25,13 @@ import math
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 import yaml
 
+from ..devices import now
 from ..paths import CONF_DIR, REPO_ROOT
 
 __all__ = ["STAGES", "LAUNCHERS", "StageRun", "gpus_for_pair", "plan_sweep", "run_sweep", "forwarded_overrides"]
@@ -188,7 +188,7 @@ def run_sweep(cfg, overrides: Sequence[str], log: Callable[[str], None] = print)
             rows.append({"stage": run.stage, "jobs": run.jobs, "gpus": run.gpus, "status": "planned", "minutes": 0.0})
             continue
         progress = _progress(run.stage, cfg)
-        start = time.monotonic()
+        start = now()
         proc = subprocess.Popen(run.argv, cwd=REPO_ROOT)
         done = threading.Event()
 
@@ -200,7 +200,7 @@ def run_sweep(cfg, overrides: Sequence[str], log: Callable[[str], None] = print)
                 except Exception:  # noqa: BLE001 (a half-listed folder: the next poll reads it again)
                     continue
                 if line != last:
-                    log(f"  {line} after {(time.monotonic() - start) / 60:.1f} min")
+                    log(f"  {line} after {(now() - start) / 60:.1f} min")
                     last = line
 
         watcher = threading.Thread(target=watch, daemon=True) if progress else None
@@ -208,7 +208,7 @@ def run_sweep(cfg, overrides: Sequence[str], log: Callable[[str], None] = print)
             watcher.start()
         code = proc.wait()
         done.set()
-        minutes = (time.monotonic() - start) / 60
+        minutes = (now() - start) / 60
         rows.append({"stage": run.stage, "jobs": run.jobs, "gpus": run.gpus,
                      "status": "ok" if code == 0 else f"failed ({code})", "minutes": minutes})
         if progress:
