@@ -43,7 +43,7 @@ def check_config_choices(argv: list[str] | None = None, conf_dir=CONF_DIR) -> No
 
 # groups whose options name every setting the code reads (the tree group is TreeConfig's fields): a
 # dotted override of a setting no option has is a typo, which the library would otherwise never see
-SETTING_GROUPS = ("tree", "method", "engine")
+SETTING_GROUPS = ("tree", "method", "engine", "small")
 
 
 def _check_setting(key: str, conf_dir) -> None:
