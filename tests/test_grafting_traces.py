@@ -40,12 +40,14 @@ class Words:
 
 class ScriptedMiddle:
     """A middle drafter (DraftModel) whose three best tokens are ``at_root`` under the root and, under any
-    other node of token t, t + 7, t + 9, t + 11 (never the target's t + 1), best first."""
+    other node of token t, t + 7, t + 9, t + 11 (never the target's t + 1), best first (or t + each of
+    ``offsets``)."""
 
     clock = Clock()
 
-    def __init__(self, at_root: list[int]):
+    def __init__(self, at_root: list[int], offsets: tuple[int, ...] = (7, 9, 11)):
         self.at_root = at_root
+        self.offsets = offsets
         self.logprobs: dict[int, TokenLogProbs] = {}
         self.forward_s, self.tokens_encoded, self.committed, self.charged_s = 0.0, 0, 0, 0.0
 
@@ -58,7 +60,7 @@ class ScriptedMiddle:
     def encode(self, tree, nodes, need_logprobs=None):
         for node in nodes if need_logprobs is None else need_logprobs:
             token = tree.token[node]
-            best = self.at_root if node == 0 else [(token + k) % VOCAB for k in (7, 9, 11)]
+            best = self.at_root if node == 0 else [(token + k) % VOCAB for k in self.offsets]
             row = torch.full((VOCAB,), -30.0, device="cpu")
             for rank, token in enumerate(best):
                 row[token] = -1.0 - rank
@@ -117,6 +119,15 @@ def test_provenance_of_a_hand_built_graft():
     assert copy.kept == tree.kept and copy.grafts == tree.grafts and copy.kept is not tree.kept
     assert tree.note_graft(b, 4, {4: b1}, [4]) == () and len(tree.grafts) == 1  # a childless re-proposal keeps nothing
     assert tree.creator[a] == SMALL and tree.step[a1] == 2 and tree.parent[b1] == b
+    # later in step 3 the middle drafter grafts under b (destructive grafting deleted b with the root's subtree
+    # and skips it): what it adds is kept by the root's graft; under a1 (on a kept branch) nothing new is noted
+    b2 = tree.add_child(b, 8, -0.1, MIDDLE, 3)
+    assert tree.note_graft_below(0, 3, b, [b2]) == (b2,) and tree.grafts == [(0, 3, (a, b1, b2))]
+    assert tree.kept[b2] == 1 and tree.first_kept([0, b, b2]) == 2
+    assert tree.note_graft_below(0, 3, a1, [tree.add_child(a1, 9, -0.1, MIDDLE, 3)]) == () and len(tree.grafts) == 1
+    d = tree.add_child(b, 10, -0.1, MIDDLE, 4)
+    assert tree.note_graft_below(b, 5, b2, [d]) == () and tree.note_graft_below(0, 5, b, [d]) == (d,)
+    assert tree.grafts[-1] == (0, 5, (d,)) and tree.kept[d] == 2  # a new event: no graft under 0 at step 5 yet
 
 
 @pytest.mark.parametrize("grafting", ["nondestructive", "destructive"])
@@ -150,6 +161,38 @@ def test_accepted_tokens_on_a_kept_branch_are_counted_exactly(grafting):
     else:
         assert emitted == [3, 4] and stats.accepted == 1
         assert stats.accepted_on_kept == 0 and stats.grafts_kept == 0
+
+
+@pytest.mark.parametrize("grafting", ["nondestructive", "destructive"])
+def test_a_graft_below_an_earlier_graft_of_the_same_step_is_counted(grafting):
+    """Step 1 (middle) puts 3, 9, 10 under the root, step 2 (n-gram) grows 3 -> 4. Step 3's middle drafter
+    proposes t + 1 first under every node and selects both 3 and 4, 3 first (a parent's score is at least
+    its child's). Its graft under 3 re-proposes 4, which has no children yet: no kept branch by that graft
+    alone. Non-destructive: 4 stays and its own graft adds 5, so 3 -> 4 -> 5 is accepted and 5 counts as
+    kept. Destructive: the graft under 3 deletes 4 (re-adding it as a new, unselected node) and skips the
+    graft under the old 4, so 5 never exists: 3 -> 4 is accepted, none kept."""
+    middle = ScriptedMiddle(at_root=[3, 9, 10], offsets=(1, 7, 9))
+    dec = scripted_decoder(grafting, [1, 0, 1], middle)
+    dec._prefill(PROMPT)
+    tree = dec.build_tree(PROMPT[-1], None, TurnStats())
+    path = path_of(tree, [3, 4, 5])
+    if grafting == "nondestructive":
+        three, four, five = path[1:]
+        assert (tree.creator[four], tree.step[four], tree.visited[four]) == (SMALL, 2, True)
+        assert (tree.creator[five], tree.step[five]) == (MIDDLE, 3)
+        assert tree.kept[three] == tree.kept[four] == 0 and tree.kept[five] > 0
+        assert tree.grafts[tree.kept[five] - 1][:2] == (three, 3)  # kept by the graft under 3 at step 3
+        assert tree.first_kept(path) == 3
+    else:
+        assert len(path) == 3 and tree.creator[path[2]] == MIDDLE and not tree.visited[path[2]]
+        assert all(k == 0 for k in tree.kept) and not tree.grafts
+    dec = scripted_decoder(grafting, [1, 0, 1], middle)
+    dec._prefill(PROMPT)
+    emitted, stats = dec._turn(PROMPT[-1], None)
+    if grafting == "nondestructive":
+        assert emitted == [3, 4, 5, 6] and stats.accepted == 3 and stats.accepted_on_kept == 1
+    else:
+        assert emitted == [3, 4, 5] and stats.accepted == 2 and stats.accepted_on_kept == 0
 
 
 def test_a_generation_traces_the_turns_that_accepted_a_kept_branch():
@@ -198,6 +241,29 @@ def test_greedy_still_equals_ar_and_grafting_counts_add_up_on_the_tiny_pair(tiny
             assert g["grafting_turns"] > 0  # expanded selection grafts under nodes that have children
         else:  # destructive grafting keeps nothing; a single drafter never grafts
             assert g["grafting_turns"] == g["accepted_on_kept"] == 0
+
+
+def test_where_destructive_grafting_first_accepts_less_the_kept_branches_were_accepted(smollm2_self_pair):
+    """A real decode (SmolLM2 drafting for itself): ``fixed`` and ``no_nondestructive`` emit the same tokens
+    and see the same contexts until their acceptance first differs; at that turn ``fixed`` accepted more,
+    so its accepted path holds tokens that only non-destructive grafting built. Before the same-step
+    grafts were counted (a node below an earlier graft of the step, which destructive grafting deletes and
+    skips), this turn counted 0 such tokens, as did every turn of the decode."""
+    from treegraft.data.benchmarks import format_prompt
+    from treegraft.decoding.factory import build_decoder
+
+    pair = smollm2_self_pair
+    ids = pair.tokenizer(format_prompt(pair.tokenizer, "Explain why the sky is blue in two sentences."),
+                         return_tensors="pt").input_ids[0].tolist()
+    out = {m: build_decoder(m, pair, {"budget": 31}).generate(ids, 16) for m in ("fixed", "no_nondestructive")}
+    fixed, destructive = out["fixed"], out["no_nondestructive"]
+    assert fixed.tokens == destructive.tokens
+    first = next(k for k, (a, b) in enumerate(zip(fixed.turns, destructive.turns)) if a["accepted"] != b["accepted"])
+    assert fixed.turns[first]["accepted"] > destructive.turns[first]["accepted"]
+    assert fixed.turns[first]["accepted_on_kept"] > 0
+    assert fixed.grafting["accepted_on_kept"] > 0 == destructive.grafting["accepted_on_kept"]
+    trace = fixed.grafting_examples[0]
+    assert trace["accepted_on_kept"] > 0 and all(isinstance(n["piece"], str) for n in trace["kept_branch"])
 
 
 def test_the_llama_cpp_engine_runs_the_same_provenance(smol):  # noqa: F811

@@ -22,8 +22,11 @@ token proposed under its parent. Per node we keep (one Python list per field, in
 ``grafts`` lists the turn's non-destructive grafts that kept something, one
 ``(grafted_under, step, kept_roots)`` tuple each (:meth:`note_graft`): a middle step grafted new children
 under ``grafted_under``, a node that already had children, and kept the branches rooted at ``kept_roots``
-that destructive grafting would have deleted. A node lies on a kept branch iff it or an ancestor has
-``kept`` set (nodes added under a kept branch later exist only because it was kept).
+that destructive grafting would have deleted. Those include what the same step's later grafts add below
+``grafted_under``'s old subtree (:meth:`note_graft_below`): destructive grafting has deleted those grafts'
+nodes by then and skips them, so their children are never built (a re-proposed child comes back as a new,
+unselected node, grafted under one middle step later if at all). A node lies on a kept branch iff it or an
+ancestor has ``kept`` set (nodes added under a kept branch later exist only because it was kept).
 
 Node ids are creation order, so "ties broken by creation order" is "ties broken by id".
 """
@@ -188,6 +191,27 @@ class DraftTree:
                 if not self.kept[n]:  # the first graft that kept it
                     self.kept[n] = len(self.grafts)
         return tuple(roots)
+
+    def note_graft_below(self, above: int, step: int, node: int, added) -> tuple[int, ...]:
+        """Record that ``node``'s graft at ``step`` added the children ``added`` after a graft under its
+        ancestor ``above`` earlier in the same step: destructive grafting deleted ``node`` with ``above``'s
+        old subtree and skips this graft, so ``added`` exist only because grafting was non-destructive. They
+        become kept branches of ``above``'s graft (its event, or a new one), unless ``node`` already lies on a
+        kept branch (then they do already). Returns the kept roots recorded."""
+        if self.first_kept(self.ancestors(node)) is not None:
+            return ()
+        roots = tuple(c for c in added if self.alive[c] and not self.kept[c])
+        if not roots:
+            return ()
+        index = next((i for i in range(len(self.grafts) - 1, -1, -1) if self.grafts[i][:2] == (above, step)), None)
+        if index is None:
+            self.grafts.append((above, int(step), roots))
+            index = len(self.grafts) - 1
+        else:
+            self.grafts[index] = (above, int(step), self.grafts[index][2] + roots)
+        for n in roots:
+            self.kept[n] = index + 1
+        return roots
 
     def first_kept(self, path_nodes: list[int]) -> int | None:
         """Index in ``path_nodes`` (a root-down path: the root, then accepted nodes) of its first node on a

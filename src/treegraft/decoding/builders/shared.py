@@ -9,7 +9,9 @@ forward of the middle drafter over every node of its scope it has not encoded ye
 * non-destructive grafting: a selected node's q_m top-m tokens become children; a token already there
   keeps its node and subtree and takes the middle drafter's score (ablation: destructive grafting
   first deletes the selected node's subtrees). Every graft under a node that already had children records
-  which branches it kept (:meth:`~treegraft.tree.DraftTree.note_graft`), for the grafting traces.
+  which branches it kept (:meth:`~treegraft.tree.DraftTree.note_graft`), for the grafting traces, and so
+  does a graft under a node of such a subtree later in the same step (destructive grafting has deleted
+  it and skips it: :meth:`~treegraft.tree.DraftTree.note_graft_below`).
 """
 
 from __future__ import annotations
@@ -81,13 +83,16 @@ class SharedTreeBuilder(TreeBuilder):
         self.encode_middle(tree, selected, stats)  # already encoded: this only adds their log-probability rows
         m, cap = build.plan.top_m, self.cfg.node_cap
         proposals = topk([mid.logprobs[node] for node in selected], m)  # one host read
+        destructive = self.preset.grafting == "destructive"
+        grafted: dict[int, int] = {}  # provenance: this step's grafts so far (node -> order)
         for node, (lp, ids) in zip(selected, proposals):
             if not tree.alive[node]:  # removed by a destructive graft above it in this same step
                 continue
             tree.visited[node] = True
-            if self.preset.grafting == "destructive":
+            if destructive:
                 tree.remove_subtrees_below(node)
             existing = dict(tree.children[node]) if tree.children[node] else None  # the historical branches
+            added = []
             for token, score in zip(ids, lp):
                 child = tree.children[node].get(token)
                 if child is not None:  # non-destructive: the branch stays, with the middle's score
@@ -95,8 +100,16 @@ class SharedTreeBuilder(TreeBuilder):
                     continue
                 if len(tree) >= cap:
                     break
-                tree.add_child(node, token, score, MIDDLE, step)
-            if existing:  # provenance: which branches only non-destructive grafting kept
+                added.append(tree.add_child(node, token, score, MIDDLE, step))
+            if destructive:
+                continue
+            # provenance: which branches only non-destructive grafting kept; a node below one grafted earlier
+            # in this step is one destructive grafting deleted (and skips), so what it adds is kept too
+            above = min((a for a in tree.ancestors(node)[:-1] if a in grafted), key=grafted.get, default=None)
+            grafted[node] = len(grafted)
+            if above is not None:
+                tree.note_graft_below(above, step, node, added)
+            elif existing:
                 tree.note_graft(node, step, existing, ids)
         stats.middle_s += self.clock.now() - start
         stats.middle_calls += 1
