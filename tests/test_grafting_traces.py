@@ -366,7 +366,7 @@ def test_render_trace_shows_the_kept_branch_in_order():
     positions = [text.index(p) for p in ("L", "umber", "' Liquid'", "ators")]
     assert positions == sorted(positions)
     assert "kept branch:    L -> umber -> ' Liquid' -> ators" in text
-    assert "new middle children beside it: The | ' They'" in text and "the root ' is'" in text
+    assert "new children that middle step grafted there: The | ' They'" in text and "the root ' is'" in text
     deeper = example(1, 2)
     deeper["grafted_under"] = {"path": ["a", "b\n"], "depth": 2, "drafter": "middle", "step": 3}
     assert "b\\n (depth 2, middle step 3; path from the root: a b\\n)" in render_trace(deeper)  # a line break escaped

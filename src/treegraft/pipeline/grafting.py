@@ -69,8 +69,9 @@ def _show(piece: str) -> str:
 
 def render_trace(example: dict) -> str:
     """A traced turn (one of a record's ``grafting_examples``) as text, in the paper's layout: the context,
-    the historical node the middle drafter grafted under, the kept branch the target accepted, the new
-    middle children grafted beside it, and the accepted path."""
+    the historical node the middle drafter grafted under, the kept branch the target accepted (below that
+    node: its old children's subtree, or what the same step grafted below an old child), the new children
+    the step grafted under that node, and the accepted path."""
     under = example["grafted_under"]
     where = " ".join(_show(p) for p in under["path"])
     node = (f"the root {_show(example['root'])}" if not under["path"] else
@@ -83,7 +84,7 @@ def render_trace(example: dict) -> str:
         f"context:        ... {''.join(example['context'])!r}",
         f"grafted under:  {node}, middle step {example['graft_step']}",
         f"kept branch:    {kept}   (accepted; drafted by {kept_by})",
-        f"new middle children beside it: {' | '.join(_show(p) for p in example['new_children']) or '(none)'}",
+        f"new children that middle step grafted there: {' | '.join(_show(p) for p in example['new_children']) or '(none)'}",
         f"accepted path:  {accepted}  + bonus {_show(example['bonus'])}  "
         f"({example['accepted_on_kept']} of {len(example['accepted'])} on the kept branch)",
     ]
