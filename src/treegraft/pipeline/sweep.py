@@ -29,8 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
-import yaml
-
 from ..devices import now
 from ..paths import CONF_DIR, REPO_ROOT
 
@@ -80,7 +78,9 @@ def gpus_for_pair(pair: str, cfg) -> int:
 def _stage_keys(stage: str) -> set[str]:
     """The top-level keys and config groups a stage's primary config has (an override of anything else would
     be refused by that stage's Hydra)."""
-    conf = yaml.safe_load((Path(CONF_DIR) / f"{stage}.yaml").read_text())
+    from omegaconf import OmegaConf
+
+    conf = OmegaConf.to_container(OmegaConf.load(Path(CONF_DIR) / f"{stage}.yaml"), resolve=False)
     keys = {k for k in conf if k not in ("defaults", "hydra")}
     for entry in conf.get("defaults", []):
         if isinstance(entry, dict):
