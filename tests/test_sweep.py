@@ -254,3 +254,36 @@ def test_records_of_one_prompt_in_several_files_count_once_the_newest(tmp_path):
     (folder / "fixed.jsonl").write_text(record(0, 3.0, 2.0) + record(1, 4.0, 0.5))  # q0 redone later, q1 older
     df = read_records(tmp_path).set_index("question_id")
     assert len(df) == 2 and df.loc[0, "wall_time"] == 3.0 and df.loc[1, "wall_time"] == 2.0
+
+
+def test_generate_finds_the_newest_policy_fitted_on_its_pair_and_engine(sweep_and_single, tmp_path):
+    """`make all` then `generate method=treegraft`: method.artifacts=auto finds the experiment whose scheduler
+    was fitted on this pair with this engine, the newest of several, and says in one line when none was."""
+    import shutil
+
+    from treegraft.decoding.factory import find_artifacts
+    from treegraft.errors import MissingArtifactError
+
+    from .test_generate_cli import run_generate
+
+    _, single, *_ = sweep_and_single
+    for name in ("older", "newer", "other_pair", "other_engine"):
+        shutil.copytree(single / "distill", tmp_path / "pipeline" / name / "distill")
+    meta = tmp_path / "pipeline" / "other_pair" / "distill" / "scheduler.meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "pairs": ["smollm2-135m__self"]}))
+    config = tmp_path / "pipeline" / "other_engine" / "distill" / "config.yaml"
+    config.write_text(config.read_text().replace("engine:\n  name: torch", "engine:\n  name: llama_cpp"))
+    for name, when in (("older", 1_000_000), ("newer", 2_000_000), ("other_pair", 3_000_000), ("other_engine", 3_000_000)):
+        os.utime(tmp_path / "pipeline" / name / "distill" / "scheduler.pt", (when, when))
+    assert find_artifacts("treegraft", "tiny-random", "torch", tmp_path) == tmp_path / "pipeline" / "newer"
+    assert find_artifacts("treegraft", "tiny-random", "llama_cpp", tmp_path) == tmp_path / "pipeline" / "other_engine"
+    with pytest.raises(MissingArtifactError, match=r"no treegraft policy fitted on pair qwen3-8b__0.6b with engine torch .*"
+                                                   r"\(looked at newer, older, other_engine, other_pair\)"):
+        find_artifacts("treegraft", "qwen3-8b__0.6b", "torch", tmp_path)
+    proc = run_generate("pair=tiny-random", "method=treegraft", f"paths.output_dir={tmp_path}", "chat_template=false",
+                        "prompt=hello world", "max_new_tokens=8", "runtime=float32")
+    assert proc.returncode == 0, proc.stderr
+    assert f"[treegraft] policy from {tmp_path / 'pipeline' / 'newer'}" in proc.stderr
+    ar = run_generate("pair=tiny-random", "method=ar", "chat_template=false", "prompt=hello world", "max_new_tokens=8",
+                      "runtime=float32")
+    assert proc.stdout == ar.stdout  # lossless, with the policy it found

@@ -78,7 +78,7 @@ def run(cfg: DictConfig) -> int:
     from omegaconf import OmegaConf
 
     from .decoding import SamplingConfig
-    from .decoding.factory import LEARNED_METHODS, TREE_METHODS, load_learned_scheduler
+    from .decoding.factory import LEARNED_METHODS, TREE_METHODS, find_artifacts, load_learned_scheduler
     from .llama_cpp.select import engine_decoder, load_engine_pair
 
     text = read_prompt(cfg)
@@ -94,7 +94,15 @@ def run(cfg: DictConfig) -> int:
     sampling = SamplingConfig(temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
 
-    scheduler = load_learned_scheduler(method, cfg.method.artifacts) if method in LEARNED_METHODS else None
+    scheduler = None
+    if method in LEARNED_METHODS:  # method.artifacts=auto: the newest policy fitted on this pair and engine
+        from .llama_cpp.select import engine_info
+
+        artifacts = cfg.method.artifacts
+        if str(artifacts) == "auto":
+            artifacts = find_artifacts(method, spec.name, engine_info(pair)["engine"], cfg.paths.output_dir)
+            print(f"[{method}] policy from {artifacts}", file=sys.stderr)
+        scheduler = load_learned_scheduler(method, artifacts)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     small = OmegaConf.to_container(cfg.small, resolve=True) if cfg.get("small") is not None else None
     if small is not None and small.get("name", "ngram") != "ngram" and method not in TREE_METHODS:

@@ -14,7 +14,7 @@ from .sampling import SamplingConfig
 from .tree_decoder import METHOD_PRESETS, TreeConfig, TreeGraftDecoder
 
 __all__ = ["METHODS", "LEARNED_METHODS", "LEARNED_ARTIFACTS", "TREE_METHODS", "build_decoder", "decoder_for",
-           "tree_config_from", "load_learned_scheduler", "parse_method", "method_small", "small_settings",
+           "tree_config_from", "load_learned_scheduler", "find_artifacts", "parse_method", "method_small", "small_settings",
            "small_names"]
 
 # learned policies on the shared tree: the distilled scheduler and the value system itself
@@ -102,6 +102,40 @@ def tree_config_from(method: str, tree: dict | None) -> TreeConfig:
     if unknown:
         raise ValueError(f"unknown tree setting {', '.join(map(repr, unknown))}; expected one of {', '.join(sorted(known))}")
     return TreeConfig(method=method, **(tree or {}))
+
+
+def find_artifacts(method: str, pair: str, engine: str, output_dir: str | Path) -> Path:
+    """The experiment folder (``<output_dir>/pipeline/<experiment>``) holding the newest ``method`` policy
+    fitted on ``pair`` with ``engine``: its artifacts' metadata lists the pair among the pairs it was fitted
+    on, and the stage's recorded config names the engine. So ``make all`` then ``generate method=treegraft``
+    finds what ``make all`` fitted under its own experiment. None found is one line naming what was looked at."""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from ..errors import MissingArtifactError
+
+    if method not in LEARNED_ARTIFACTS:
+        raise ValueError(f"method {method!r} has no learned artifacts; expected one of {', '.join(LEARNED_METHODS)}")
+    weights, meta_name = (Path(name) for name in LEARNED_ARTIFACTS[method])
+    root = Path(output_dir) / "pipeline"
+    found, seen = [], []
+    for meta in root.glob(f"*/{meta_name}"):
+        folder = meta.parents[len(meta_name.parts) - 1]
+        seen.append(folder.name)
+        config = meta.parent / "config.yaml"
+        if not (folder / weights).exists() or not config.exists():
+            continue
+        fitted_on = json.loads(meta.read_text()).get("pairs") or []
+        fitted_with = OmegaConf.load(config).get("engine", {}).get("name", "torch")
+        if pair in fitted_on and fitted_with == engine:
+            found.append(((folder / weights).stat().st_mtime, folder))
+    if not found:
+        looked = f" (looked at {', '.join(sorted(seen))})" if seen else ""
+        raise MissingArtifactError(
+            f"no {method} policy fitted on pair {pair} with engine {engine} under {root}{looked}: run `make collect fit "
+            f"distill` for an experiment with this pair and engine, or set method.artifacts=<outputs/pipeline/<experiment>>")
+    return max(found)[1]
 
 
 def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: float | None = None):
