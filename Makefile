@@ -27,7 +27,7 @@ PROMPT ?= Write a Python function that checks whether a number is prime.
 MAX_NEW_TOKENS ?= 128
 
 .DEFAULT_GOAL := help
-.PHONY: help all setup llamacpp models demo test test-all test-models gpu-smoke bench-models clean-models collect fit distill evaluate tables figures sweep
+.PHONY: help all benchmarks setup llamacpp models demo test test-all test-models gpu-smoke bench-models clean-models collect fit distill evaluate tables figures sweep
 
 help: ## list the targets
 	@grep -hE '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
@@ -38,9 +38,22 @@ help: ## list the targets
 # (measured, cached; the choice is written to outputs/pipeline/<experiment>/engine_choice.json)
 ALL_EXPERIMENT ?= auto
 
-all: ## the whole pipeline on the embedded models with one progress bar: setup, models, collect, fit, distill, evaluate, tables, figures (ALL_EXPERIMENT=auto|cpu|cpu_llama)
+all: ## the whole pipeline on the embedded models with one progress bar: setup, models, benchmarks, collect, fit, distill, evaluate, tables, figures (ALL_EXPERIMENT=auto|cpu|cpu_llama)
 	$(MAKE) models MODELS=all
+	$(MAKE) benchmarks
 	$(VPY) scripts/run_all.py experiment=$(ALL_EXPERIMENT)
+
+# The six benchmarks' question files: in $TREEGRAFT_BENCHMARKS, else data/benchmarks; the missing ones are built
+# from the Hugging Face Hub (scripts/build_benchmarks.py); with neither the files nor a hub, one line says what to do.
+BENCHMARKS_DIR := $(or $(TREEGRAFT_BENCHMARKS),data/benchmarks)
+BENCHMARK_NAMES := gsm8k alpaca nq humaneval cnndm mt_bench
+benchmarks: $(VENV)/.deps ## the six benchmark question files in $TREEGRAFT_BENCHMARKS or data/benchmarks (built from the hub where missing)
+	@missing="$$(for b in $(BENCHMARK_NAMES); do test -f "$(BENCHMARKS_DIR)/$$b/question.jsonl" || echo $$b; done)"; \
+	if [ -n "$$missing" ]; then \
+	  echo "benchmarks missing in $(BENCHMARKS_DIR): $$(echo $$missing); building them from the Hugging Face Hub"; \
+	  $(VPY) scripts/build_benchmarks.py --benchmarks $$missing --out-dir "$(BENCHMARKS_DIR)" >/dev/null 2>&1 || { \
+	    echo "error: no question files for $$(echo $$missing) in $(BENCHMARKS_DIR) and no hub to build them from: set TREEGRAFT_BENCHMARKS to a folder of <name>/question.jsonl, or run make benchmarks where a network is available" >&2; exit 2; }; \
+	fi
 
 $(VENV)/.python:
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=<python3.11>"; exit 1; }

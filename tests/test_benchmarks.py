@@ -278,3 +278,29 @@ def test_format_prompt_empty(tiny_tokenizer, turn: str) -> None:
 def test_format_prompt_bad_history(tiny_tokenizer) -> None:
     with pytest.raises(ValueError, match=r"history\[0\]=.* expected a \(user, assistant\) pair"):
         format_prompt(tiny_tokenizer, "q", history=[("only one",)])
+
+
+def test_make_benchmarks_builds_only_what_is_missing_or_says_in_one_line_what_to_do(tmp_path):
+    """`make all` runs `make benchmarks` first: nothing to do where the six question files are; where they are
+    missing and no hub is reachable, one line naming the folder and what to do, exit status 2."""
+    import os
+    import shutil
+    import subprocess
+
+    from .conftest import REPO_ROOT
+
+    shared = Path(os.environ["TREEGRAFT_BENCHMARKS"])
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(["make", "-s", "benchmarks", f"TREEGRAFT_BENCHMARKS={shared}"], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout == "" and done.stderr == ""
+    partial = tmp_path / "bench"
+    shutil.copytree(shared / "gsm8k", partial / "gsm8k")
+    missing = subprocess.run(["make", "-s", "benchmarks", f"TREEGRAFT_BENCHMARKS={partial}"], cwd=REPO_ROOT, env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2
+    assert "benchmarks missing in" in missing.stdout and "alpaca nq humaneval cnndm mt_bench" in missing.stdout
+    errors = [line for line in missing.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: no question files for alpaca nq humaneval cnndm mt_bench in {partial} and no hub to build "
+                      "them from: set TREEGRAFT_BENCHMARKS to a folder of <name>/question.jsonl, or run make benchmarks "
+                      "where a network is available"]
