@@ -51,7 +51,7 @@ from treegraft.atomic import atomic_write, atomic_write_json, read_json
 from treegraft.config import CONF_DIR, check_config_choices
 from treegraft.data import BenchmarkConfig, format_prompt, load_benchmark
 from treegraft.decoding import AutoregressiveDecoder, GenerationResult, TreeGraftDecoder
-from treegraft.decoding.equality import compare_outputs
+from treegraft.pipeline.equality import compare_outputs
 from treegraft.decoding.factory import LEARNED_METHODS, build_decoder, load_learned_scheduler, tree_config_from
 from treegraft.errors import MissingArtifactError
 from treegraft.models import ModelLoadError, TokenizerMismatchError

@@ -179,7 +179,7 @@ def check_pair(name: str, device: torch.device, max_new: int, rows: list[dict]) 
     from omegaconf import OmegaConf
 
     from treegraft.decoding import SamplingConfig, TreeConfig
-    from treegraft.decoding.equality import compare_outputs
+    from treegraft.pipeline.equality import compare_outputs
     from treegraft.decoding.factory import decoder_for
     from treegraft.devices import devices_of, peak_memory, reset_peak_memory
     from treegraft.hostreads import count_host_reads

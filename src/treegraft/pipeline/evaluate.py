@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from rich.console import Console
 from tqdm.auto import tqdm
 
-from ..decoding.equality import compare_outputs
+from .equality import compare_outputs
 from ..decoding.factory import (LEARNED_ARTIFACTS, LEARNED_METHODS, load_learned_scheduler, method_small, parse_method,
                                 small_settings)
 from ..llama_cpp.select import engine_decoder, engine_info, engine_workers, load_engine_pair
