@@ -72,17 +72,30 @@ def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = Tr
 
     The decoder must be a shared-tree method (``fixed`` or an ablation) with a middle drafter. It works
     through the engine seam only: the target rolls every verified tree back (``engine.rollback``) and the
-    middle drafter restores a snapshot at every branch, so the caller continues with an ordinary turn.
+    drafters (middle, and a neural small one) restore a snapshot at every branch, so the caller continues
+    with an ordinary turn.
     """
     if not decoder.cfg.preset.shared or decoder.middle is None:
         raise ValueError(f"schedule enumeration needs a shared-tree method with a middle drafter, got {decoder.cfg.method}")
     depth = decoder.cfg.depth
     mid = decoder.middle
+    # every drafter with a per-turn cache (the middle drafter, a neural small drafter): its slots name this
+    # construction's nodes, and a branch built on a copy of the tree gives other nodes the same ids, so each
+    # branch restores the drafters' state its parent left
+    drafters = [d for d in (mid, decoder.small) if d is not None]
+
+    def snapshot() -> tuple:
+        return tuple(d.snapshot() for d in drafters)
+
+    def restore(snap: tuple) -> None:
+        for d, s in zip(drafters, snap):
+            d.restore(s)
+
     result = TurnEnumeration()
     clock = decoder.clock  # waits for the models' devices: a step's time is its GPU work, not its launch
     t_start = clock.now()
     tree, build = decoder.start_tree(root)
-    base = mid.snapshot()
+    base = snapshot()
     context_len = decoder.engine.context_len()
     verified: dict[tuple, tuple[int, float, int]] = {}
     if not decoder.sampling.greedy:
@@ -118,7 +131,7 @@ def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = Tr
             return
         result.states[prefix] = decoder.step_state(tree, step, [int(a) for a in prefix], with_signals)
         for action in (0, 1):
-            mid.restore(snap)
+            restore(snap)
             branch_tree = tree.copy() if action == 0 else tree  # the call branch reuses the original
             branch_build = build.copy() if action == 0 else build
             stats = TurnStats()
@@ -136,11 +149,11 @@ def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = Tr
                 "middle_calls": spent["middle_calls"] + stats.middle_calls,
                 "middle_tokens": spent["middle_tokens"] + mid.tokens_encoded - tokens_before,
             }
-            walk(branch_tree, branch_build, prefix + str(action), child, mid.snapshot())
+            walk(branch_tree, branch_build, prefix + str(action), child, snapshot())
 
     # the skip branch runs first on a copy, so the call branch may consume the parent's tree
     walk(tree, build, "", {"small_s": 0.0, "middle_s": 0.0, "other_s": 0.0, "small_calls": 0, "middle_calls": 0,
                            "middle_tokens": 0}, base)
-    mid.restore(base)
+    restore(base)
     result.wall_s = clock.now() - t_start
     return result

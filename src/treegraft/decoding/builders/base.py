@@ -41,12 +41,9 @@ class BuildState:
     done: list[int] = field(default_factory=list)  # actions taken so far
     calls: int = 0  # middle-drafter calls so far
     rescored_from: int = 1  # nodes with id >= this were added since the last middle rescoring
-    # a neural small drafter's state after this construction's last step (its snapshot): a branched
-    # construction (schedule enumeration) resumes the small drafter where its own branch left it
-    small_state: tuple | None = None
 
     def copy(self) -> "BuildState":
-        return BuildState(self.plan, list(self.done), self.calls, self.rescored_from, self.small_state)
+        return BuildState(self.plan, list(self.done), self.calls, self.rescored_from)
 
 
 class TreeBuilder:
@@ -78,12 +75,10 @@ class TreeBuilder:
         """A turn's root-only tree and its construction state (the middle drafter starts a new turn)."""
         if self.middle is not None:
             self.middle.start_turn()
-        state = BuildState(plan)
         if self.small is not None:
             self.small.start_turn()
-            state.small_state = self.small.snapshot()
         self.small_kinds = {}
-        return DraftTree.with_root(root_token), state
+        return DraftTree.with_root(root_token), BuildState(plan)
 
     def build(self, root_token: int, plan: TurnPlan, decide: Callable[[DraftTree, BuildState, int], int],
               stats: TurnStats) -> DraftTree:
@@ -96,16 +91,6 @@ class TreeBuilder:
         return tree
 
     def apply_step(self, tree: DraftTree, build: BuildState, step: int, action: int, stats: TurnStats) -> None:
-        if self.small is None:
-            self._apply_step(tree, build, step, action, stats)
-            return
-        # the small drafter's per-turn slots name this construction's nodes: a branch built on a copy of the
-        # tree (schedule enumeration) gives other nodes the same ids, so each step resumes its own branch's state
-        self.small.restore(build.small_state)
-        self._apply_step(tree, build, step, action, stats)
-        build.small_state = self.small.snapshot()
-
-    def _apply_step(self, tree: DraftTree, build: BuildState, step: int, action: int, stats: TurnStats) -> None:
         if len(tree) >= self.cfg.node_cap:
             build.done.append(SMALL)
             return

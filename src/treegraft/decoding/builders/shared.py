@@ -105,7 +105,8 @@ class SharedTreeBuilder(TreeBuilder):
                 continue
             # provenance: which branches only non-destructive grafting kept; a node below one grafted earlier
             # in this step is one destructive grafting deleted (and skips), so what it adds is kept too
-            above = min((a for a in tree.ancestors(node)[:-1] if a in grafted), key=grafted.get, default=None)
+            above = None if not grafted else min((a for a in tree.ancestors(node)[:-1] if a in grafted),
+                                                 key=grafted.get, default=None)
             grafted[node] = len(grafted)
             if above is not None:
                 tree.note_graft_below(above, step, node, added)
