@@ -52,12 +52,22 @@ __all__ = ["run_evaluate", "explain_mismatches", "size_by_precision", "main_inte
            "evaluation_units", "evaluate_coverage", "evaluate_benchmarks", "evaluation_offset", "method_files"]
 
 
-def eval_pairs(cfg: DictConfig) -> list[str]:
-    if cfg.get("pair"):  # a sweep job: one pair
+def eval_pairs(cfg: DictConfig, whole: bool = False) -> list[str]:
+    """The pairs this evaluate job runs: a sweep job's ``pair``, else (and with ``whole``) the experiment's
+    evaluated pairs, held-out ones included."""
+    if cfg.get("pair") and not whole:  # a sweep job: one pair
         return [cfg.pair.name]
     p = cfg.pipeline
     pairs = list(p.eval_pairs) if p.get("eval_pairs") else list(p.pairs)
     return pairs + [h for h in (p.held_out_pairs or []) if h not in pairs]
+
+
+SHARD_SUFFIX = re.compile(r"\.shard\d+of\d+$")
+
+
+def _method_of(path: Path) -> str:
+    """The method of a record file (``fixed.jsonl``, ``fixed.shard0of2.jsonl`` -> ``fixed``)."""
+    return SHARD_SUFFIX.sub("", Path(path).stem)
 
 
 def small_for(cfg: DictConfig, method: str) -> dict | None:
@@ -91,8 +101,7 @@ def evaluate_coverage(cfg: DictConfig, out_dir: Path):
     if e.get("target_half_width") is not None and precision.exists():  # sized by precision: what it reached
         n = int(json.loads(precision.read_text())["prompts_per_benchmark"])
     methods = evaluated_methods(cfg)
-    pairs = list(cfg.pipeline.eval_pairs or cfg.pipeline.pairs)
-    pairs += [h for h in (cfg.pipeline.held_out_pairs or []) if h not in pairs]
+    pairs = eval_pairs(cfg, whole=True)
     expected, present, rerun = {}, {}, {}
     for bench in e.benchmarks:
         ids = [int(r["question_id"]) for r in stage_records(cfg, bench, n, evaluation_offset(cfg))]
@@ -159,7 +168,7 @@ def _saved_records(path: Path, key: str, prompts: list[tuple[int, list[int]]]) -
     job's included; the newest where several hold one); prompts without one are missing."""
     wanted = {q: list(ids) for q, ids in prompts}
     out = {}
-    method = re.sub(r"\.shard\d+of\d+$", "", path.stem)
+    method = _method_of(path)
     for file in method_files(path.parent, method):
         for line in file.read_text().splitlines():
             r = json.loads(line)

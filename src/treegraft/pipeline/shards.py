@@ -94,14 +94,23 @@ class Coverage:
     def complete(self) -> bool:
         return not self.missing
 
+    @property
+    def head(self) -> str:
+        """How much is present, in a few words (the progress of a running sweep)."""
+        return f"{self.stage}: {self.n_present} of {self.n_expected} prompts present ({len(self.expected)} units)"
+
+    @property
+    def status(self) -> str:
+        """:attr:`head`, and ", nothing missing" once complete."""
+        return self.head + (", nothing missing" if self.complete else "")
+
     def line(self, limit: int = 6) -> str:
         """One line: how much is present and, when something is missing, the first ``limit`` units that lack
         prompts, with the command that fills each in."""
-        units = len(self.expected)
-        head = f"{self.stage}: {self.n_present} of {self.n_expected} prompts present ({units} units)"
+        head = self.head
         missing = self.missing
         if not missing:
-            return head + ", nothing missing"
+            return self.status
         parts = []
         for key, ids in list(missing.items())[:limit]:
             shown = ", ".join(f"q{q}" for q in ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")

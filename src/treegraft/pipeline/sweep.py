@@ -167,11 +167,11 @@ def _progress(stage: str, cfg) -> Callable[[], str] | None:
     if stage == "collect":
         from .collect import collect_coverage
 
-        return lambda: collect_coverage(cfg, folder).line(limit=0).split(";")[0]
+        return lambda: collect_coverage(cfg, folder).status
     if stage == "evaluate":
         from .evaluate import evaluate_coverage
 
-        return lambda: evaluate_coverage(cfg, folder).line(limit=0).split(";")[0]
+        return lambda: evaluate_coverage(cfg, folder).status
     return None
 
 
