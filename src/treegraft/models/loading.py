@@ -15,11 +15,14 @@ Where the weights go is a :class:`~treegraft.models.placement.Placement`: a targ
 GPUs (``device_map``, ``max_memory``, CPU or disk offload through accelerate's hooks) and the middle
 drafter on the target's device, a device of its own, or spread by accelerate. On CUDA a pair is checked
 against the memory it may use before any weight is read (:func:`~treegraft.models.placement.check_fits`).
+
+This module loads: one model (:func:`load_model`), its runtime (:func:`resolve_runtime`,
+:func:`resolve_middle_runtime`) and a pair (:func:`load_pair`, :func:`load_pair_from_settings`). What a
+source names, tokenizers and the vocabulary checks are in :mod:`.sources`; the self-draft in :mod:`.self_draft`.
 """
 
 from __future__ import annotations
 
-import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,55 +31,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..paths import default_cache_dir, default_models_dir
+from ..paths import default_cache_dir
 from ..devices import input_device
-from .embedded import EMBEDDED_MODELS, int4_blocks, is_converted
+from .embedded import int4_blocks
 from .placement import Placement, check_fits
 from .runtime import (RuntimeChoice, apply_runtime, check_runtime_name, choose_runtime, effective_runtime,
                       runtime_load_dtype, runtime_unavailable)
-from .tiny import TINY_PREFIX, build_tiny_model, build_tiny_tokenizer
+from .self_draft import make_self_draft
+from .sources import (EMBEDDED_PREFIX, ModelLoadError, check_same_output_size, check_same_vocabulary, load_tokenizer,
+                      resolve_dtype, resolve_source)
+from .tiny import TINY_PREFIX, build_tiny_model
 
-__all__ = [
-    "load_pair_from_settings",
-    "PairSpec",
-    "LoadedPair",
-    "ModelLoadError",
-    "TokenizerMismatchError",
-    "resolve_dtype",
-    "resolve_runtime",
-    "runtime_choice",
-    "resolve_middle_runtime",
-    "resolve_source",
-    "load_model",
-    "load_tokenizer",
-    "load_pair",
-    "make_self_draft",
-    "check_same_vocabulary",
-    "Placement",
-]
-
-EMBEDDED_PREFIX = "embedded:"
-
-
-class ModelLoadError(RuntimeError):
-    """A model or tokenizer could not be found or loaded; the message says what to do."""
-
-
-class TokenizerMismatchError(ValueError):
-    """Target and middle drafter do not share one vocabulary."""
-
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        return _DTYPES[str(dtype)]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of float32, bfloat16, float16") from None
+__all__ = ["load_pair_from_settings", "PairSpec", "LoadedPair", "resolve_runtime", "runtime_choice",
+           "resolve_middle_runtime", "placement_from", "load_model", "load_pair"]
 
 
 @dataclass
@@ -115,32 +82,6 @@ class LoadedPair:
     engine: dict | None = None  # set by treegraft.llama_cpp.select.load_engine_pair (engine=auto's choice)
 
 
-def resolve_source(source: str, models_dir: str | os.PathLike | None = None) -> str:
-    """Turn ``embedded:<name>`` into its converted folder (or fail with the command to run)."""
-    if not source.startswith(EMBEDDED_PREFIX):
-        return source
-    name = source[len(EMBEDDED_PREFIX):]
-    if name not in EMBEDDED_MODELS:
-        raise ModelLoadError(f"unknown embedded model {name!r}; expected one of {sorted(EMBEDDED_MODELS)}")
-    folder = Path(models_dir or default_models_dir()) / name
-    if not is_converted(folder, EMBEDDED_MODELS[name]):
-        hint = "make models" if name != "gemma3-270m" else "make models MODELS=all"
-        raise ModelLoadError(f"embedded model {name} not converted: run `{hint}` (looked in {folder})")
-    return str(folder)
-
-
-def load_tokenizer(source: str, models_dir: str | os.PathLike | None = None):
-    from transformers import AutoTokenizer
-
-    if source.startswith(TINY_PREFIX):
-        return build_tiny_tokenizer()
-    path = resolve_source(source, models_dir)
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load tokenizer {source!r}: {str(err).splitlines()[0]}") from err
-
-
 def load_model(
     source: str,
     dtype: str | torch.dtype = "float32",
@@ -163,7 +104,7 @@ def load_model(
     if device_map is not None and runtime not in (None, "float32", "bfloat16"):
         raise ValueError(f"runtime {runtime} packs weights for CPU kernels and cannot be split with device_map; "
                          "use runtime=float32 or bfloat16 (or dtype=) with a device_map")
-    torch_dtype = runtime_load_dtype(runtime) if runtime else resolve_dtype(dtype)
+    torch_dtype = _weights_dtype(dtype, runtime)
     if source.startswith(TINY_PREFIX):
         model = build_tiny_model(int(source[len(TINY_PREFIX):] or 0)).to(torch_dtype)
         if device_map is not None:
@@ -186,6 +127,11 @@ def load_model(
         blocks = _int4_blocks_of(source, models_dir) if runtime == "int4" else None
         apply_runtime(model, runtime, int4_blocks=blocks)
     return model
+
+
+def _weights_dtype(dtype: str | torch.dtype, runtime: str | None) -> torch.dtype:
+    """The dtype a model's weights are read in: ``runtime``'s (a runtime sets its own), else ``dtype``."""
+    return runtime_load_dtype(runtime) if runtime else resolve_dtype(dtype)
 
 
 def _dispatch(model: nn.Module, device_map, max_memory, offload_folder) -> nn.Module:
@@ -236,62 +182,9 @@ def runtime_choice(
     ``<cache_dir>/runtime.json``)."""
     exact = source.startswith(EMBEDDED_PREFIX)  # only GGUF-born models have int4 blocks of their own
     cache_file = Path(cache_dir or default_cache_dir()) / "runtime.json"
-    model_id = source if not source.startswith(EMBEDDED_PREFIX) else f"{source} ({resolve_source(source, models_dir)})"
+    model_id = f"{source} ({resolve_source(source, models_dir)})" if exact else source
     return choose_runtime(lambda rt: load_model(source, device=device, models_dir=models_dir, runtime=rt),
                           model_id, device, cache_file=cache_file, log=log, int4_exact=exact)
-
-
-def make_self_draft(target: nn.Module, num_layers: int) -> nn.Module:
-    """A causal LM that runs the target's first ``num_layers`` decoder layers, sharing every weight.
-
-    The drafter is a model of the target's own class whose config has ``num_layers`` layers; its
-    embedding, layers, final norm, rotary embedding and LM head *are* the target's modules, so it
-    costs no memory and follows the target's dtype and device. It keeps its own KV cache (layer
-    indices 0..k-1), so it can be used exactly like an independent middle drafter.
-    """
-    base = target.base_model
-    total = len(base.layers)
-    if not 1 <= num_layers <= total:
-        raise ValueError(f"self_draft_layers must be in 1..{total} for this target, got {num_layers}")
-    config = copy.deepcopy(target.config)
-    config.num_hidden_layers = num_layers
-    if getattr(config, "layer_types", None) is not None:
-        config.layer_types = list(config.layer_types[:num_layers])
-    with torch.device("meta"):
-        draft = type(target)(config)
-    draft_base = draft.base_model
-    for name, module in base.named_children():
-        if name == "layers":
-            draft_base.layers = nn.ModuleList(list(base.layers[:num_layers]))
-        else:
-            setattr(draft_base, name, module)
-    draft.lm_head = target.lm_head
-    # every tensor of the draft is one of the target's (by identity: an offloaded target's own weights sit on meta)
-    shared = {id(t) for t in [*target.parameters(), *target.buffers()]}
-    leftover = [n for n, t in [*draft.named_parameters(), *draft.named_buffers()] if id(t) not in shared]
-    if leftover:
-        raise RuntimeError(f"self-draft of {type(target).__name__} left modules unshared: {leftover[:3]}")
-    draft.generation_config = copy.deepcopy(target.generation_config)
-    return draft.eval()
-
-
-def check_same_vocabulary(target_tokenizer, middle_tokenizer, target_name: str, middle_name: str) -> None:
-    """Raise :class:`TokenizerMismatchError` unless both tokenizers map every token to the same id."""
-    tv, mv = target_tokenizer.get_vocab(), middle_tokenizer.get_vocab()
-    if tv != mv:
-        only_t = len(set(tv) - set(mv))
-        only_m = len(set(mv) - set(tv))
-        moved = sum(1 for t in set(tv) & set(mv) if tv[t] != mv[t])
-        raise TokenizerMismatchError(
-            f"tokenizer mismatch: target {target_name} ({len(tv)} tokens) and middle {middle_name} ({len(mv)} tokens) "
-            f"differ ({only_t} only in target, {only_m} only in middle, {moved} with other ids); "
-            "the middle drafter must share the target's tokenizer"
-        )
-
-
-def _output_size(model: nn.Module) -> int:
-    head = model.get_output_embeddings()
-    return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
 def load_pair(
@@ -329,7 +222,7 @@ def load_pair(
                                                   or isinstance(placement.device_map, dict))
     estimate = None
     if device.type == "cuda" or placement.max_memory is not None:
-        stock = resolve_dtype(dtype) if runtime in (None, "auto") else runtime_load_dtype(runtime)
+        stock = _weights_dtype(dtype, None if runtime == "auto" else runtime)  # auto's choice: not yet measured
         estimate = check_fits(spec, stock, device, placement if split else Placement(None, placement.max_memory, "same"),
                               kv_tokens, models_dir)
     tokenizer = load_tokenizer(spec.target, models_dir)
@@ -367,11 +260,7 @@ def load_pair(
         else:
             home = input_device(target) if placement.middle in ("same", "auto") else torch.device(placement.middle)
             middle = load_model(spec.middle, dtype, home, models_dir, mid_runtime)
-    t_vocab, m_vocab = _output_size(target), _output_size(middle)
-    if t_vocab != m_vocab:
-        raise TokenizerMismatchError(
-            f"tokenizer mismatch: target {spec.target} has {t_vocab} output logits, middle {spec.middle} has {m_vocab}"
-        )
+    check_same_output_size(target, middle, spec.target, spec.middle)
     stock = "bfloat16" if resolve_dtype(dtype) == torch.bfloat16 else "float32"
     return LoadedPair(spec=spec, target=target, middle=middle, tokenizer=tokenizer, runtime=runtime or stock,
                       middle_runtime=mid_runtime or stock)
@@ -396,10 +285,11 @@ def load_pair_from_settings(spec: PairSpec, settings, device: str | torch.device
     ``dtype`` option wins over ``runtime`` where both are set (:func:`~treegraft.models.runtime.effective_runtime`)."""
     device = settings.device if device is None else device
     dtype = getattr(settings, "dtype", None) if dtype is None else dtype
+    group = getattr(settings, "placement", None)
     return load_pair(spec, device=device, models_dir=settings.paths.models_dir,
                      runtime=effective_runtime(settings.runtime, dtype), cache_dir=settings.paths.cache_dir, log=log,
-                     middle_runtime=settings.middle_runtime, placement=placement_from(getattr(settings, "placement", None)),
-                     kv_tokens=int(getattr(getattr(settings, "placement", None), "kv_tokens", None) or 4096))
+                     middle_runtime=settings.middle_runtime, placement=placement_from(group),
+                     kv_tokens=int(getattr(group, "kv_tokens", None) or 4096))
 
 
 def placement_from(settings) -> Placement:

@@ -5,60 +5,33 @@ Inputs: ``evaluate/`` records, ``distill/offline_eval.csv``, ``fit/oof_summary.c
 CSV + Markdown + LaTeX, every figure as PNG + PDF, and ``README.md``, the index: what was written
 (with n) and, for each study this experiment did not run, which experiment runs it (:data:`STUDIES`).
 A study that was not run leaves no file (an earlier run's file of that name is removed). The
-notebook calls these same functions.
+notebook calls these same functions. This module is the entry (:func:`run_report`, :func:`make_tables`,
+:func:`make_figures`) and the index; the tables are built in :mod:`.report_tables`, the figures drawn
+in :mod:`.report_figures`.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import NamedTuple, Sequence
 
-import numpy as np
 import pandas as pd
 
-from ..stats import DEFAULT_RESAMPLES, Interval
+from ..stats import DEFAULT_RESAMPLES
 from .artifacts import MissingArtifactError, atomic_write_text, stage_dir
 from .common import fold_intervals, to_markdown
-from .distill import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER
 from .estimates import PromptTable, method_intervals
-from .evaluate import read_records, summarize_records
 from .grafting import grafting_examples, grafting_table
+from .records import read_records, summarize_records
+from .report_figures import FIGURES, draw_figures
+from .report_tables import (OVER_PAIRS, ablation_table, gain_table, headline_metrics, held_out_table, main_table,
+                            row_interval, scheduling_table, sensitivity_table, small_drafter_table,
+                            summary_with_intervals)
 
-__all__ = [
-    "load_summary",
-    "load_records",
-    "headline_metrics",
-    "main_table",
-    "gain_table",
-    "ablation_table",
-    "scheduling_table",
-    "held_out_table",
-    "sensitivity_table",
-    "small_drafter_table",
-    "write_table",
-    "make_tables",
-    "make_figures",
-    "write_index",
-    "not_run",
-    "run_report",
-    "METHOD_ORDER",
-    "TABLES",
-    "STUDIES",
-    "FIGURES",
-    "OVER_PAIRS",
-]
-
-METHOD_ORDER = ["ar", "all_small", "all_mid", "treegraft", "fixed", "no_nondestructive", "no_expanded_selection",
-                "all_call", "direct_planner", "csd", "hf_assisted", "hf_prompt_lookup"]
-ABLATIONS = ["treegraft", "fixed", "no_nondestructive", "no_expanded_selection", "all_call", "direct_planner"]
-PEERS = ["hf_assisted", "hf_prompt_lookup", "csd"]
-ENDPOINTS = ["all_small", "all_mid"]
-HF_PEERS = ["hf_assisted", "hf_prompt_lookup"]
-NAN_INTERVAL = Interval(float("nan"), float("nan"), float("nan"), 0)
-# the gain table's rows across pairs (after the per-pair rows): statistic -> the row's `pair` cell
-OVER_PAIRS = {"mean": "mean over pairs", "max": "max over pairs", "min": "min over pairs (worst pair)"}
-
+__all__ = ["load_summary", "load_records", "headline_metrics", "main_table", "gain_table", "ablation_table",
+           "scheduling_table", "held_out_table", "sensitivity_table", "small_drafter_table", "write_table",
+           "make_tables", "make_figures", "write_index", "not_run", "run_report", "TABLES", "STUDIES", "FIGURES",
+           "OVER_PAIRS"]
 
 class Study(NamedTuple):
     """A table the report writes only where the experiment ran its study. ``experiments``: those that
@@ -107,13 +80,6 @@ STUDIES = {
 # what scripts/report.py prints (every table is written and logged)
 PRINTED = ("main", "gain", "scheduling", "ablation", "held_out", "sensitivity", "small_drafter", "grafting",
            "offline_scheduler", "offline_contrasts")
-FIGURES = {
-    "speedup_per_benchmark": "speedup per method and benchmark, per pair, 95% CIs",
-    "al_vs_call_rate": "mean AL vs middle-drafter call rate, one point per pair and method, 95% CIs",
-    "time_split": "share of turn time: small drafter, middle drafter, verification, other",
-    "verify_curve": "verification latency vs tree size (collect's runtime.json)",
-    "offline_scheduler": "offline scheduler comparison: share of the oracle, 95% CIs",
-}
 
 
 def load_summary(exp_dir: Path) -> pd.DataFrame:
@@ -129,197 +95,6 @@ def load_records(exp_dir: Path) -> pd.DataFrame:
     return read_records(eval_dir)
 
 
-def _order(methods: Sequence[str]) -> list[str]:
-    return [m for m in METHOD_ORDER if m in methods] + [m for m in methods if m not in METHOD_ORDER]
-
-
-def _put(row: dict, name: str, ci: Interval) -> Interval:
-    """``name``, ``name lo``, ``name hi`` (the 95% CI) into ``row``; returns ``ci`` (for its n)."""
-    row.update({name: ci.value, f"{name} lo": ci.low, f"{name} hi": ci.high})
-    return ci
-
-
-def main_table(summary: pd.DataFrame, pairs: Sequence[str] | None = None, benchmarks: Sequence[str] | None = None,
-               *, prompts: PromptTable) -> pd.DataFrame:
-    """Speedup and mean AL per method x benchmark (mean over ``pairs``), with a mean column, each with
-    its 95% CI over prompts, the number of prompts and the mismatch count, as the paper's main table."""
-    s = summary
-    if pairs is not None:
-        s = s[s["pair"].isin(pairs)]
-    if benchmarks is not None:
-        s = s[s["benchmark"].isin(benchmarks)]
-    pairs = list(dict.fromkeys(s["pair"]))
-    benches = list(dict.fromkeys(s["benchmark"]))
-    rows = []
-    for method in _order([m for m in dict.fromkeys(s["method"]) if "@" not in m]):  # variants: the sensitivity table
-        m = s[s["method"] == method]
-        row = {"method": method}
-        for b in benches:
-            _put(row, f"{b} speedup", prompts.speedup(method, pairs, [b]))
-            _put(row, f"{b} AL", prompts.al(method, pairs, [b]))
-        mean = _put(row, "mean speedup", prompts.speedup(method, pairs, benches))
-        _put(row, "mean AL", prompts.al(method, pairs, benches))
-        row["n prompts"] = mean.n
-        row["mismatches"] = int(m["mismatches"].sum())
-        row["mismatches_unexplained"] = int(m["mismatches_unexplained"].sum())
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def gain_table(summary: pd.DataFrame, benchmarks: Sequence[str] | None = None,
-               *, prompts: PromptTable) -> pd.DataFrame:
-    """Per pair: treegraft's mean speedup vs the better endpoint and vs the best HF peer (as the paper),
-    each gain with its paired 95% CI (the better rival picked again in every replicate). Then, across
-    pairs (:data:`OVER_PAIRS`): the mean, max and min over pairs of each gain, every pair's gain
-    recomputed in each replicate of one draw of prompts (:meth:`PromptTable.gain_over_pairs`); the
-    rival column names the pair at the max / min. With one pair they equal its row."""
-    rows, pairs = [], []
-    for pair in dict.fromkeys(summary["pair"]):
-        methods = set(summary.loc[summary["pair"] == pair, "method"])
-        if "treegraft" not in methods:
-            continue
-        pairs.append(pair)
-        row = {"pair": pair}
-        own = _put(row, "treegraft", prompts.speedup("treegraft", [pair], benchmarks))
-        for label, rivals in (("better endpoint", ENDPOINTS), ("best HF peer", HF_PEERS)):
-            present = [r for r in rivals if r in methods]
-            best = prompts.best(present, [pair], benchmarks) if present else None
-            row[label] = best or "--"
-            _put(row, f"{label} speedup", prompts.speedup(best, [pair], benchmarks) if best else NAN_INTERVAL)
-            _put(row, f"gain vs {label} %", prompts.gain("treegraft", present, [pair], benchmarks) if present
-                 else NAN_INTERVAL)
-        row["n prompts"] = own.n
-        row["n pairs"] = 1
-        rows.append(row)
-    if pairs:
-        over = {label: prompts.gain_over_pairs("treegraft", rivals, pairs, benchmarks)
-                for label, rivals in (("better endpoint", ENDPOINTS), ("best HF peer", HF_PEERS))}
-        n = next((o.mean.n for o in over.values() if o.pairs), 0)
-        for stat, name in OVER_PAIRS.items():
-            row = {"pair": name}
-            for label, o in over.items():
-                at = {"mean": "per pair", "max": o.argmax, "min": o.argmin}[stat] if o.pairs else None
-                row[label] = f"at {at}" if stat != "mean" and at else (at or "--")
-                _put(row, f"gain vs {label} %", getattr(o, stat))
-            row["n prompts"] = n
-            row["n pairs"] = max(len(o.pairs) for o in over.values())
-            rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def ablation_table(summary: pd.DataFrame, pairs: Sequence[str] | None = None,
-                   *, prompts: PromptTable) -> pd.DataFrame:
-    """The shared-tree variants on the prompts each ran (the ablations may run on the first k of each
-    benchmark): speedup, AL, call rate, with CIs."""
-    s = summary if pairs is None else summary[summary["pair"].isin(pairs)]
-    pairs = list(dict.fromkeys(s["pair"]))
-    rows = []
-    present = [m for m in ABLATIONS if m in set(s["method"])]
-    if present == ["treegraft"]:  # no ablation was run (e.g. the cpu experiment: they have their own)
-        return pd.DataFrame()
-    for method in present:
-        row = {"method": method}
-        speedup = _put(row, "speedup", prompts.speedup(method, pairs))
-        _put(row, "mean_al", prompts.al(method, pairs))
-        _put(row, "call_rate", prompts.call_rate(method, pairs))
-        row["n prompts"] = speedup.n
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def scheduling_table(summary: pd.DataFrame, *, prompts: PromptTable) -> pd.DataFrame:
-    """Per pair: the learned scheduler's call rate beside its gain over the better endpoint (which one
-    is better, and the gain with its CI), then its and the endpoints' speedups: frequent calls where
-    all_mid wins, sparse calls where all_small wins."""
-    rows = []
-    for pair, g in summary.groupby("pair", sort=False):
-        methods = set(g["method"])
-        row = {"pair": pair}
-        if "treegraft" in methods:
-            _put(row, "treegraft call rate", prompts.call_rate("treegraft", [pair]))
-            present = [r for r in ENDPOINTS if r in methods]
-            row["better endpoint"] = (prompts.best(present, [pair]) if present else None) or "--"
-            _put(row, "gain vs better endpoint %", prompts.gain("treegraft", present, [pair]) if present
-                 else NAN_INTERVAL)
-        speedups = {m: _put(row, f"{m} speedup", prompts.speedup(m, [pair]))
-                    for m in ("treegraft", "all_small", "all_mid", "fixed") if m in methods}
-        if "treegraft" in methods:
-            _put(row, "treegraft AL", prompts.al("treegraft", [pair]))
-            row["n prompts"] = speedups["treegraft"].n
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def held_out_table(summary: pd.DataFrame, held_out_pairs: Sequence[str], held_out_benchmarks: Sequence[str],
-                   *, prompts: PromptTable) -> pd.DataFrame:
-    """Speedup per method on what the scheduler never saw: each held-out pair (all benchmarks) and each
-    held-out benchmark (per pair), with CIs."""
-    rows = []
-    scopes = [("held-out pair", p, None) for p in held_out_pairs if p in set(summary["pair"])]
-    scopes += [("held-out benchmark", p, [b]) for b in held_out_benchmarks for p in dict.fromkeys(summary["pair"])
-               if p not in set(held_out_pairs) and ((summary["pair"] == p) & (summary["benchmark"] == b)).any()]
-    for label, pair, benches in scopes:
-        part = summary[(summary["pair"] == pair) & (summary["benchmark"].isin(benches) if benches else True)]
-        for method in _order(list(dict.fromkeys(part["method"]))):
-            row = {"split": label, "pair": pair, "benchmark": benches[0] if benches else "all", "method": method}
-            speedup = _put(row, "speedup", prompts.speedup(method, [pair], benches))
-            _put(row, "mean_al", prompts.al(method, [pair], benches))
-            _put(row, "call_rate", prompts.call_rate(method, [pair], benches))
-            row["n prompts"] = speedup.n
-            row["mismatches"] = int(part.loc[part["method"] == method, "mismatches"].sum())
-            rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def sensitivity_table(summary: pd.DataFrame, *, prompts: PromptTable) -> pd.DataFrame:
-    """Per pair: treegraft with its calibrated runtime context and with it rescaled (the
-    ``treegraft@t_mid_x1.25`` variants), each variant's speedup and call rate and its change against
-    treegraft on the same prompts, with CIs."""
-    rows = []
-    for pair in dict.fromkeys(summary["pair"]):
-        methods = list(dict.fromkeys(summary.loc[summary["pair"] == pair, "method"]))
-        variants = [m for m in methods if m.startswith("treegraft@")]
-        if "treegraft" not in methods or not variants:
-            continue
-        for method in ["treegraft", *variants]:
-            row = {"pair": pair, "method": method, "context": method.partition("@")[2] or "as calibrated"}
-            speedup = _put(row, "speedup", prompts.speedup(method, [pair]))
-            _put(row, "call_rate", prompts.call_rate(method, [pair]))
-            if method != "treegraft":
-                _put(row, "change vs treegraft %", prompts.gain(method, ["treegraft"], [pair]))
-            row["n prompts"] = speedup.n
-            rows.append(row)
-    return pd.DataFrame(rows)
-
-
-def small_drafter_table(summary: pd.DataFrame, *, prompts: PromptTable) -> pd.DataFrame:
-    """Table 9: per pair, every tree method evaluated with a neural small drafter (``fixed@self_draft``) beside
-    the same method with the n-gram one (``fixed``), on the same prompts: speedup, AL, the small drafter's share
-    of turn time, and on each neural row the n-gram's gain over it (% , paired CI)."""
-    from ..decoding.factory import method_small
-
-    rows = []
-    for pair in dict.fromkeys(summary["pair"]):
-        part = summary[summary["pair"] == pair]
-        methods = list(dict.fromkeys(part["method"]))
-        variants = [m for m in methods if "@" in m and method_small(m)]
-        for base in dict.fromkeys(m.partition("@")[0] for m in variants):
-            if base not in methods:
-                continue
-            for method in [base, *[v for v in variants if v.partition("@")[0] == base]]:
-                small = method_small(method) or "ngram"
-                row = {"pair": pair, "method": base, "small drafter": small}
-                speedup = _put(row, "speedup", prompts.speedup(method, [pair]))
-                _put(row, "mean AL", prompts.al(method, [pair]))
-                share = part.loc[part["method"] == method, "share_small"]
-                row["small time share"] = float(share.mean()) if share.notna().any() else float("nan")
-                _put(row, "n-gram gain over it %", prompts.gain(base, [method], [pair]) if method != base
-                     else NAN_INTERVAL)
-                row["n prompts"] = speedup.n
-                rows.append(row)
-    return pd.DataFrame(rows)
-
-
 def write_table(df: pd.DataFrame, out_dir: Path, name: str) -> None:
     """``<name>.csv`` (numbers: every CI as ``lo`` / ``hi`` columns) and ``<name>.md`` / ``<name>.tex``
     (every CI folded into its cell: ``1.23 [1.10, 1.35]``)."""
@@ -333,22 +108,6 @@ def write_table(df: pd.DataFrame, out_dir: Path, name: str) -> None:
 def _remove(out_dir: Path, name: str, extensions: Sequence[str]) -> None:
     for ext in extensions:
         (Path(out_dir) / f"{name}.{ext}").unlink(missing_ok=True)
-
-
-def summary_with_intervals(summary: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame:
-    """``summary`` with each cell's 95% CIs (``speedup lo`` / ``hi``, ``mean_al lo`` / ``hi``, ``call_rate
-    lo`` / ``hi``) and ``n prompts`` beside its columns, from :func:`method_intervals`' rows."""
-    ci = intervals[intervals["benchmark"] != "mean"].rename(columns={
-        "speedup_lo": "speedup lo", "speedup_hi": "speedup hi", "al_lo": "mean_al lo", "al_hi": "mean_al hi",
-        "call_rate_lo": "call_rate lo", "call_rate_hi": "call_rate hi", "n": "n prompts"})
-    added = ["speedup lo", "speedup hi", "mean_al lo", "mean_al hi", "call_rate lo", "call_rate hi", "n prompts"]
-    out = summary.merge(ci[["pair", "benchmark", "method", *added]], on=["pair", "benchmark", "method"], how="left")
-    cols = list(summary.columns)
-    for after, new in (("speedup", ["speedup lo", "speedup hi"]), ("mean_al", ["mean_al lo", "mean_al hi"]),
-                       ("call_rate", ["call_rate lo", "call_rate hi"]), ("prompts", ["n prompts"])):
-        i = cols.index(after) + 1 if after in cols else len(cols)
-        cols[i:i] = new
-    return out[cols]
 
 
 def make_tables(exp_dir: Path, held_out_pairs: Sequence[str] = (), held_out_benchmarks: Sequence[str] = ("mt_bench",),
@@ -417,31 +176,6 @@ def _evaluate_coverage(exp_dir: Path) -> str | None:
         return f"evaluate coverage: not computed ({str(err).splitlines()[0]})"
 
 
-def headline_metrics(tables: dict[str, pd.DataFrame]) -> dict[str, float]:
-    """The report's figures as flat W&B summary metrics, every one with ``_lo`` / ``_hi`` (95% CI) and
-    ``_n`` (prompts): each method's mean speedup and AL (main table), each pair's gains, and the gains'
-    mean / max / min over pairs (``gain/all_pairs/<stat>_gain_vs_better_endpoint_%``)."""
-    out: dict[str, float] = {}
-
-    def put(key: str, row, col: str, n) -> None:
-        if col in row and row[col] == row[col]:
-            out.update({key: float(row[col]), f"{key}_lo": float(row[f"{col} lo"]), f"{key}_hi": float(row[f"{col} hi"]),
-                        f"{key}_n": int(n)})
-
-    for _, r in tables.get("main", pd.DataFrame()).iterrows():
-        put(f"main/{r['method']}/speedup", r, "mean speedup", r["n prompts"])
-        put(f"main/{r['method']}/al", r, "mean AL", r["n prompts"])
-    stats = {name: stat for stat, name in OVER_PAIRS.items()}
-    for _, r in tables.get("gain", pd.DataFrame()).iterrows():
-        for col in ("treegraft", "gain vs better endpoint %", "gain vs best HF peer %"):
-            if r["pair"] in stats:
-                if col != "treegraft":
-                    put(f"gain/all_pairs/{stats[r['pair']]}_{col.replace(' ', '_')}", r, col, r["n prompts"])
-            else:
-                put(f"gain/{r['pair']}/{col.replace(' ', '_')}", r, col, r["n prompts"])
-    return out
-
-
 def not_run(tables: dict[str, pd.DataFrame], experiment: str | None = None) -> dict[str, str]:
     """Study name -> one line saying it was not run here and what runs it, for every study of
     :data:`STUDIES` that ``tables`` (the report's tables by name) does not hold."""
@@ -493,7 +227,7 @@ def _across_pairs_lines(gain: pd.DataFrame, label: str) -> list[str]:
         return []
 
     def ci(r) -> str:
-        return Interval(r[col], r[f"{col} lo"], r[f"{col} hi"], 0).format("{:+.1f}") + " %"
+        return row_interval(r, col).format("{:+.1f}") + " %"
 
     def at(r) -> str:
         return str(r[label]).removeprefix("at ")
@@ -558,117 +292,13 @@ def write_index(out_dir: Path, experiment: str | None = None) -> Path:
     return path
 
 
-def _save(fig, out_dir: Path, name: str) -> list[Path]:
-    paths = []
-    for ext in ("png", "pdf"):
-        path = Path(out_dir) / f"{name}.{ext}"
-        tmp = path.with_name(f".{path.name}.tmp.{ext}")
-        fig.savefig(tmp, dpi=150, bbox_inches="tight")
-        tmp.replace(path)
-        paths.append(path)
-    return paths
-
-
 def make_figures(exp_dir: Path, out_dir: Path | None = None) -> list[Path]:
-    """Speedup per method per benchmark, AL vs call rate, time split, verification curve, offline comparison."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Speedup per method per benchmark, AL vs call rate, time split, verification curve, offline comparison
+    (:func:`~.report_figures.draw_figures`); a figure whose input is gone is removed, and the index rewritten."""
     exp_dir = Path(exp_dir)
     out_dir = Path(out_dir or exp_dir / "report")
     out_dir.mkdir(parents=True, exist_ok=True)
-    records = load_records(exp_dir)
-    summary = summarize_records(records)
-    intervals = method_intervals(records)
-    written: list[Path] = []
-
-    pairs = list(dict.fromkeys(intervals["pair"]))
-    fig, axes = plt.subplots(len(pairs), 1, figsize=(11, 3.6 * len(pairs)), squeeze=False, constrained_layout=True)
-    for ax, pair in zip(axes[:, 0], pairs):
-        ci = intervals[intervals["pair"] == pair]
-        piv = ci.pivot_table(index="benchmark", columns="method", values="speedup", sort=False)
-        lo = ci.pivot_table(index="benchmark", columns="method", values="speedup_lo", sort=False)
-        hi = ci.pivot_table(index="benchmark", columns="method", values="speedup_hi", sort=False)
-        cols = _order(list(piv.columns))
-        piv, lo, hi = piv[cols], lo.reindex_like(piv)[cols], hi.reindex_like(piv)[cols]
-        errors = np.stack([(piv - lo).clip(lower=0).to_numpy().T, (hi - piv).clip(lower=0).to_numpy().T], axis=1)
-        piv.plot.bar(ax=ax, width=0.85, colormap="tab20", yerr=errors, capsize=1.5, error_kw={"lw": 0.6})
-        ax.axhline(1.0, color="black", lw=0.8, ls="--")
-        ax.set_ylabel("speedup vs ar")
-        ax.tick_params(axis="x", labelrotation=0)
-        n = int(ci.loc[(ci["method"] == "ar") & (ci["benchmark"] == "mean"), "n"].max())
-        ax.set_title(f"{pair}: speedup per method and benchmark, 95% CI over prompts (n = {n} prompts)")
-        ax.legend(ncol=4, fontsize=7)
-    written += _save(fig, out_dir, "speedup_per_benchmark")
-    plt.close(fig)
-
-    g = intervals[(intervals["benchmark"] == "mean")].dropna(subset=["call_rate"])
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for method, m in g.groupby("method"):
-        ax.errorbar(m["call_rate"], m["al"], fmt="o", label=method, ms=5, capsize=2, lw=0.8,
-                    xerr=[(m["call_rate"] - m["call_rate_lo"]).clip(lower=0), (m["call_rate_hi"] - m["call_rate"]).clip(lower=0)],
-                    yerr=[(m["al"] - m["al_lo"]).clip(lower=0), (m["al_hi"] - m["al"]).clip(lower=0)])
-    ax.set_xlabel("middle-drafter call rate (calls per drafting step)")
-    ax.set_ylabel("mean accepted length")
-    ax.set_title("AL vs call rate (one point per pair, 95% CIs over prompts)")
-    ax.legend(fontsize=7)
-    written += _save(fig, out_dir, "al_vs_call_rate")
-    plt.close(fig)
-
-    split = summary.groupby("method")[["share_small", "share_middle", "share_verify", "share_other"]].mean()
-    split = split.reindex([m for m in _order(list(split.index)) if m in split.index]).dropna(how="all")
-    fig, ax = plt.subplots(figsize=(9, 4))
-    split.plot.bar(stacked=True, ax=ax)
-    ax.set_ylabel("share of turn time")
-    ax.set_title("Time split per method")
-    written += _save(fig, out_dir, "time_split")
-    plt.close(fig)
-
-    curves = sorted((exp_dir / "collect").glob("*/runtime.json"))
-    if curves:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for path in curves:
-            info = json.loads(path.read_text())
-            curve = {int(k): v for k, v in (info.get("verify_curve") or {}).items()}
-            if curve:
-                base = curve[min(curve)]
-                ax.plot(list(curve), [v / base for v in curve.values()], marker="o", label=f"{info['pair']} (B={info['budget']})")
-        ax.set_xlabel("verified tree size (tokens)")
-        ax.set_ylabel("latency / one-token forward")
-        ax.set_title("Verification-latency curve (budget=auto)")
-        ax.legend(fontsize=7)
-        written += _save(fig, out_dir, "verify_curve")
-        plt.close(fig)
-
-    offline = exp_dir / "distill" / "offline_eval.csv"
-    if offline.exists():
-        t = pd.read_csv(offline)
-        if "pair" in t:  # the pooled rows (every pair's held-out reports)
-            t = t[t["pair"] == "all pairs"]
-        t = t[~t["policy"].isin([IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER])]  # the figure shows held-out figures only
-        fig, ax = plt.subplots(figsize=(7, 4))
-        y = np.arange(len(t))
-        if "pct_of_oracle_lo" in t:  # share of the oracle with its prompt-resampled CI
-            err = np.stack([(t["pct_of_oracle"] - t["pct_of_oracle_lo"]).clip(lower=0),
-                            (t["pct_of_oracle_hi"] - t["pct_of_oracle"]).clip(lower=0)])
-            ax.barh(y, t["pct_of_oracle"], xerr=err, capsize=2)
-            ax.set_xlabel(f"% of the oracle's tokens/s per turn, 95% CI over prompts (n = {int(t['prompts'].max())} "
-                          f"prompts, {int(t['turns'].max())} turns)")
-        elif "total_tau" in t:  # older artifacts: both measures, no CI
-            ax.barh(y - 0.2, t["mean_tau"], height=0.4, label="mean of per-turn tokens/s")
-            ax.barh(y + 0.2, t["total_tau"], height=0.4, label="all tokens / all seconds")
-            ax.legend(fontsize=7)
-            ax.set_xlabel("tokens/s (held-out reports)")
-        else:
-            ax.barh(y, t["mean_tau"])
-            ax.set_xlabel("tokens/s (held-out reports)")
-        ax.set_yticks(y, t["policy"])
-        ax.set_title("Offline scheduler comparison")
-        ax.invert_yaxis()
-        written += _save(fig, out_dir, "offline_scheduler")
-        plt.close(fig)
+    written = draw_figures(load_records(exp_dir), exp_dir, out_dir)
     for name in set(FIGURES) - {p.stem for p in written}:  # its input is gone: no stale figure says otherwise
         _remove(out_dir, name, ("png", "pdf"))
     write_index(out_dir, exp_dir.name)
