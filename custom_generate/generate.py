@@ -5,10 +5,10 @@ custom_generate/>, trust_remote_code=True)` is called, and calls `generate(model
 The decoding itself lives in the installed `treegraft` package.
 """
 
-from treegraft.decoding.hf_generate import treegraft_generate
+from treegraft.hf_generate import treegraft_generate
 
 
 def generate(model, *args, **kwargs):
     """TreeGraft speculative decoding with `model` as the target; arguments as `model.generate()` plus
-    `method`, `tree`, `scheduler_artifacts`, `self_draft_layers` (treegraft.decoding.hf_generate)."""
+    `method`, `tree`, `scheduler_artifacts`, `self_draft_layers` (treegraft.hf_generate)."""
     return treegraft_generate(model, *args, **kwargs)

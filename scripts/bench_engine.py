@@ -50,9 +50,12 @@ from tqdm.auto import tqdm
 from treegraft.atomic import atomic_write, atomic_write_json, read_json
 from treegraft.config import CONF_DIR, check_config_choices
 from treegraft.data import BenchmarkConfig, format_prompt, load_benchmark
-from treegraft.decoding import AutoregressiveDecoder, GenerationResult, TreeGraftDecoder
+from treegraft.decoding import GenerationResult, TreeGraftDecoder
 from treegraft.pipeline.equality import compare_outputs
-from treegraft.decoding.factory import LEARNED_METHODS, build_decoder, load_learned_scheduler, tree_config_from
+from treegraft.decoding.methods import LEARNED_METHODS, load_learned_scheduler
+from treegraft.decoding.tree_config import tree_config_from
+from treegraft.engines.torch import TorchEngines
+from treegraft.front import decoder_for
 from treegraft.errors import MissingArtifactError
 from treegraft.models import ModelLoadError, TokenizerMismatchError
 from treegraft.drafters import NGramConfig, NGramDrafter
@@ -108,8 +111,7 @@ class SignalTimer(FixedScheduler):
 def signals_cost_ms(pair, tree: dict, prompts, max_new_tokens: int, cache_dir) -> float:
     """Mean ms per step to compute the scheduler state with all tree signals, on real trees."""
     cfg = tree_config_from("fixed", {**tree, "call_backoff": False})  # every step's state is computed
-    dec = TreeGraftDecoder(pair.target, pair.middle, pair.tokenizer, cfg, scheduler=SignalTimer(cfg.actions()),
-                           cache_dir=cache_dir)
+    dec = decoder_for("fixed", pair, cfg, scheduler=SignalTimer(cfg.actions()), cache_dir=cache_dir)
     turns = [t for _, _, ids in prompts for t in dec.generate(ids, max_new_tokens).turns]
     steps = sum(len(t["schedule"]) for t in turns)
     return 1000 * sum(t.get("schedule_s", 0.0) for t in turns) / max(steps, 1)
@@ -212,7 +214,7 @@ def runtime_table(cfg: DictConfig, prompts, console: Console, out_dir: Path) -> 
             continue
         model = load_model(cfg.pair.target, device=cfg.device, models_dir=cfg.paths.models_dir, runtime=runtime)
         curve = forward_curve(model, sizes=sizes, context=int(cfg.curve_context))
-        dec = AutoregressiveDecoder(model)
+        dec = decoder_for("ar", TorchEngines(model))
         dec.generate(some[0][2], 4)  # warm-up
         res = [dec.generate(ids, int(cfg.runtime_tokens)) for _, _, ids in some]
         tok = sum(r.new_tokens for r in res) / sum(r.wall_time_s - r.prefill_time_s for r in res)
@@ -268,8 +270,8 @@ def scheduler_for(method: str, cfg: DictConfig):
 
 def build(method: str, pair, tree: dict, cfg: DictConfig, scheduler=None):
     """The decoder of ``method`` (or ``method:overrides``) with its scheduler (:func:`scheduler_for`)."""
-    return build_decoder(method.split(":")[0], pair, variant_tree(tree, method), scheduler=scheduler,
-                         cache_dir=cfg.paths.cache_dir)
+    return decoder_for(method.split(":")[0], pair, variant_tree(tree, method), scheduler=scheduler,
+                       cache_dir=cfg.paths.cache_dir)
 
 
 def run(cfg: DictConfig) -> None:

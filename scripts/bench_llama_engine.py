@@ -39,7 +39,7 @@ from treegraft.atomic import atomic_write_json, read_json
 from treegraft.config import CONF_DIR
 from treegraft.data import BENCHMARKS, BenchmarkConfig, format_prompt, load_benchmark
 from treegraft.decoding import GenerationResult
-from treegraft.llama_cpp import gguf_path
+from treegraft.engines.llama_cpp import gguf_path
 from treegraft.machine import cpu_line
 from treegraft.paths import REPO_ROOT, default_benchmarks_dir, default_cache_dir, default_models_dir
 from treegraft.stats import bootstrap_weights, interval
@@ -112,8 +112,9 @@ class ToolPeer:
 
 def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tuple[dict, dict, object]:
     """The decoders of ``methods`` (llama pairs loaded once per mode), their build facts, the tokenizer."""
-    from treegraft.llama_cpp import llama_decoder_for, load_llama_pair
-    from treegraft.llama_cpp.build import installed_build
+    from treegraft.engines.llama_cpp import load_llama_pair
+    from treegraft.engines.llama_cpp.build import installed_build
+    from treegraft.front import decoder_for
 
     tree = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "tree" / "default.yaml"), resolve=True)
     tree = {k: v for k, v in tree.items() if not k.startswith("_")}
@@ -127,7 +128,7 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
         if engine not in ENGINES:
             raise ValueError(f"method {method!r}: engine {engine!r} is not one of {', '.join(ENGINES)}")
         if engine == "torch":
-            from treegraft.decoding.factory import decoder_for
+            from treegraft.engines.torch import TorchEngines
             from treegraft.models import load_model, load_tokenizer
             from treegraft.models.loading import resolve_runtime
 
@@ -137,14 +138,14 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
             runtime = resolve_runtime(pair_cfg.target, args.torch_runtime, "cpu", args.models_dir, args.cache_dir,
                                       log=console.print)
             model = load_model(pair_cfg.target, device="cpu", models_dir=args.models_dir, runtime=runtime)
-            decoders[method] = decoder_for("ar", model, None, load_tokenizer(pair_cfg.target, args.models_dir))
+            decoders[method] = decoder_for("ar", TorchEngines(model, None, load_tokenizer(pair_cfg.target, args.models_dir)))
             facts["torch_runtime"] = runtime
             continue
         exact = engine == "llama"
         if exact not in pairs:
             pairs[exact] = load_llama_pair(pair_cfg.target, middle, threads=args.threads, exact=exact,
                                            n_ctx=args.n_ctx, models_dir=args.models_dir)
-        decoders[method] = llama_decoder_for(name, pairs[exact], tree, cache_dir=args.cache_dir)
+        decoders[method] = decoder_for(name, pairs[exact], tree, cache_dir=args.cache_dir)
     tokenizer = next(iter(pairs.values())).tokenizer
     return decoders, facts, tokenizer
 
@@ -152,8 +153,8 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
 def invariance_table(pair_cfg, args, console: Console) -> pd.DataFrame:
     """Batch invariance of the pair's GGUF files in both modes: chains and trees in one batch against
     one-token decoding, KV below and above 512 cells (treegraft.llama_cpp.check)."""
-    from treegraft.llama_cpp import GGUFModel, gguf_path
-    from treegraft.llama_cpp.check import batch_invariance
+    from treegraft.engines.llama_cpp import GGUFModel, gguf_path
+    from treegraft.engines.llama_cpp.check import batch_invariance
 
     rows = []
     for role, source in (("target", pair_cfg.target), ("middle", pair_cfg.middle)):
@@ -179,8 +180,8 @@ def invariance_table(pair_cfg, args, console: Console) -> pd.DataFrame:
 def curve_table(pair_cfg, args, console: Console) -> pd.DataFrame:
     """t(n) of one decode of n chained rows on a 256-token cache, exact against stock, both models
     (median of 5 after a warm-up; treegraft.llama_cpp.costs)."""
-    from treegraft.llama_cpp import GGUFModel, gguf_path
-    from treegraft.llama_cpp.costs import engine_curve
+    from treegraft.engines.llama_cpp import GGUFModel, gguf_path
+    from treegraft.engines.llama_cpp.costs import engine_curve
 
     sizes = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     rows = []

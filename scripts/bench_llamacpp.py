@@ -53,7 +53,7 @@ def build(root: Path, version: str, jobs: int) -> Path:
     src = next(root.glob("llama_cpp_python-*/vendor/llama.cpp"))
     # AMX off as in the library build (treegraft.llama_cpp.build): ggml's AMX buffer type crashes on Q4_K_M
     # models on Xeons with AMX; the rest is the stock build users run
-    from treegraft.llama_cpp.build import AMX_OFF
+    from treegraft.engines.llama_cpp.build import AMX_OFF
 
     subprocess.run(["cmake", "-S", str(src), "-B", str(root / "build"), "-DCMAKE_BUILD_TYPE=Release",
                     "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_SERVER=OFF",

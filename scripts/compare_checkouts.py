@@ -31,25 +31,28 @@ def serve(args) -> None:
     """Worker: load the pair once, then answer one JSON request per line: {"method", "prompt", "max_new_tokens"}."""
     import torch
 
-    from treegraft.decoding.factory import decoder_for
     from treegraft.scheduling.policy import FixedScheduler
+
+    try:  # the front door: (method, pair, tree, sampling, scheduler, cache_dir) on either engine
+        from treegraft.front import decoder_for
+        from treegraft.engines.llama_cpp import load_llama_pair
+    except ImportError:  # a checkout from before the engines layer: the same call under its old names
+        from treegraft.llama_cpp.pair import load_llama_pair
+        from treegraft.llama_cpp.select import engine_decoder as decoder_for
 
     torch.set_num_threads(args.threads)
     if args.engine == "llama_cpp":
-        from treegraft.llama_cpp.pair import load_llama_pair
-        from treegraft.llama_cpp.select import engine_decoder
         from treegraft.models import PairSpec
 
         target, middle = args.target, args.middle
         pair = load_llama_pair(target, middle, threads=args.threads)
         pair.spec = PairSpec(name=args.pair, target=target, middle=middle)
-        make = lambda m, sched: engine_decoder(m, pair, {}, None, sched, None)  # noqa: E731
     else:
         from treegraft.models import PairSpec, load_pair
 
         pair = load_pair(PairSpec(name=args.pair, target=args.target, middle=args.middle), runtime=args.runtime,
                          middle_runtime="auto", log=lambda *a: None)
-        make = lambda m, sched: decoder_for(m, pair.target, pair.middle, pair.tokenizer, {}, scheduler=sched)  # noqa: E731
+    make = lambda m, sched: decoder_for(m, pair, {}, None, sched, None)  # noqa: E731
     decoders = {}
     print(json.dumps({"ready": True, "runtime": getattr(pair, "runtime", None)}), flush=True)
     for line in sys.stdin:

@@ -152,20 +152,21 @@ def check_offloaded(device: torch.device, max_new: int, rows: list[dict]) -> Non
     """The tiny target split between the GPU and the CPU (accelerate's hooks, max_memory with a cpu entry), the
     middle drafter spread by accelerate: every method against the unsplit ar (the split and offload paths on
     a machine of one GPU)."""
-    from treegraft.decoding.factory import decoder_for
+    from treegraft.engines.torch import TorchEngines
+    from treegraft.front import decoder_for
     from treegraft.models import PairSpec, load_pair
     from treegraft.models.placement import Placement
 
     spec = PairSpec(name="tiny-split", target="tiny-random:0", middle="tiny-random:1")
     whole = load_pair(spec, device=device)
     prompt = list(range(5, 45)) + list(range(5, 25))
-    reference = decoder_for("ar", whole.target, None, whole.tokenizer).generate(prompt, max_new).tokens
+    reference = decoder_for("ar", TorchEngines(whole.target, None, whole.tokenizer)).generate(prompt, max_new).tokens
     pair = load_pair(spec, device="cuda", placement=Placement("auto", {0: "300KB", "cpu": "2GB"}, middle="auto"))
     where = sorted(set(map(str, pair.target.hf_device_map.values())))
     bad = []
     for method in METHODS:
         for draft_vocab in (None, 64):
-            dec = decoder_for(method, pair.target, pair.middle, pair.tokenizer, {"draft_vocab": draft_vocab},
+            dec = decoder_for(method, TorchEngines(pair.target, pair.middle, pair.tokenizer), {"draft_vocab": draft_vocab},
                               scheduler=random_scheduler(5) if method == "treegraft" else None)
             if dec.generate(prompt, max_new).tokens != reference:
                 bad.append(f"{method}/{draft_vocab}")
@@ -180,7 +181,8 @@ def check_pair(name: str, device: torch.device, max_new: int, rows: list[dict]) 
 
     from treegraft.decoding import SamplingConfig, TreeConfig
     from treegraft.pipeline.equality import compare_outputs
-    from treegraft.decoding.factory import decoder_for
+    from treegraft.engines.torch import TorchEngines
+    from treegraft.front import decoder_for
     from treegraft.devices import devices_of, peak_memory, reset_peak_memory
     from treegraft.hostreads import count_host_reads
     from treegraft.model_io import forward_hidden, new_cache
@@ -205,13 +207,13 @@ def check_pair(name: str, device: torch.device, max_new: int, rows: list[dict]) 
     prompts = prompts_for(pair, name)
     small_vocab = 64 if name == "tiny-random" else 4096
     depth = TreeConfig().depth
-    reference = [decoder_for("ar", pair.target, None, pair.tokenizer).generate(p, max_new).tokens for p in prompts]
+    reference = [decoder_for("ar", TorchEngines(pair.target, None, pair.tokenizer)).generate(p, max_new).tokens for p in prompts]
     print(f"{name} ({dtype}, {pair.target.hf_device_map if hasattr(pair.target, 'hf_device_map') else device})", flush=True)
     for method in METHODS:
         for draft_vocab in ((None, small_vocab) if method not in ("ar", "hf_assisted", "hf_prompt_lookup") else (None,)):
             label = method + (f" vocab={draft_vocab}" if draft_vocab else "")
             scheduler = random_scheduler(depth) if method == "treegraft" else None
-            dec = decoder_for(method, pair.target, pair.middle, pair.tokenizer, {"draft_vocab": draft_vocab},
+            dec = decoder_for(method, TorchEngines(pair.target, pair.middle, pair.tokenizer), {"draft_vocab": draft_vocab},
                               SamplingConfig(), scheduler=scheduler)
             dec.generate(prompts[0], 8)  # warm-up: kernels, the verification curve, the frequent tokens
             unexplained, gaps, syncs, waits, reads, turns = 0, [], 0, 0, 0, 0
@@ -228,7 +230,7 @@ def check_pair(name: str, device: torch.device, max_new: int, rows: list[dict]) 
                 f"{len(prompts) - len(gaps)}/{len(prompts)} equal, near-ties {gaps}; syncs/turn {syncs / turns:.1f} "
                 f"(+ clock waits {waits / turns:.1f}), host reads/turn {reads / turns:.1f}")
     # KV caches after many keep/rollback turns
-    dec = decoder_for("all_mid", pair.target, pair.middle, pair.tokenizer, {"budget": 20})
+    dec = decoder_for("all_mid", TorchEngines(pair.target, pair.middle, pair.tokenizer), {"budget": 20})
     final = {}
     out = dec.generate(prompts[1], max_new, on_tokens=lambda _: final.update(
         target=dec.cache, middle=dec.middle.cache, committed=dec.middle.committed))
@@ -246,7 +248,7 @@ def check_pair(name: str, device: torch.device, max_new: int, rows: list[dict]) 
                         float((got.values.float() - want.values.float().to(got.values.device)).abs().max()))
     row("kv-cache", "all_mid", worst <= tol, f"max |cached - fresh| {worst:.2e} (tolerance {tol:g}) over {len(out.turns)} turns")
     # t_tgt: the decoder's synchronized verification time against CUDA events on the same shape
-    dec = decoder_for("fixed", pair.target, pair.middle, pair.tokenizer, {})
+    dec = decoder_for("fixed", TorchEngines(pair.target, pair.middle, pair.tokenizer), {})
     dec.warm_up(prompts[0], 16, repeats=2)
     res = dec.generate(prompts[0], 32)
     size = int(statistics.median(t["verified_nodes"] for t in res.turns)) + 1
@@ -269,7 +271,7 @@ def check_pair(name: str, device: torch.device, max_new: int, rows: list[dict]) 
                                         SamplingConfig(temperature=1.0)).cpu()
         samples = []
         for seed in range(800):
-            d = decoder_for("all_mid", pair.target, pair.target, None, {"depth": 1, "top_m": 6, "shape": "paper", "budget": 63},
+            d = decoder_for("all_mid", TorchEngines(pair.target, pair.target, None), {"depth": 1, "top_m": 6, "shape": "paper", "budget": 63},
                             SamplingConfig(temperature=1.0, seed=seed), eos_ids=set())
             samples.append(d.generate(prompt, 1).tokens[0])
         counts = torch.bincount(torch.tensor(samples), minlength=probs.numel()).double()

@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--sites", action="store_true")
     args = ap.parse_args()
 
-    from treegraft.decoding.factory import decoder_for
+    from treegraft.front import decoder_for
     from treegraft.hostreads import count_host_reads
     from treegraft.models import PairSpec, load_pair
     from treegraft.scheduling.learned import LearnedScheduler, MarginPredictor
@@ -33,7 +33,7 @@ def main() -> None:
         scheduler = None
         if method == "treegraft":
             scheduler = LearnedScheduler(MarginPredictor.untrained(5, list(REFERENCE_SIGNALS)))
-        dec = decoder_for(method, pair.target, pair.middle, pair.tokenizer, {}, scheduler=scheduler)
+        dec = decoder_for(method, pair, {}, scheduler=scheduler)
         dec.generate(prompt, 8)
         with count_host_reads() as reads:
             out = dec.generate(prompt, args.max_new_tokens)

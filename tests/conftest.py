@@ -82,3 +82,21 @@ def smollm2_self_pair():
     require_embedded("smollm2-135m")
     spec = instantiate(OmegaConf.load(CONF_DIR / "pair" / "smollm2-135m__self.yaml"))
     return load_pair(spec)
+
+
+def tree_decoder(target, middle, tokenizer=None, cfg=None, sampling=None, **kwargs):
+    """A tree decoder of ``cfg`` (a TreeConfig) over PyTorch models, through the front door."""
+    from treegraft.decoding import TreeConfig
+    from treegraft.engines.torch import TorchEngines
+    from treegraft.front import decoder_for
+
+    cfg = cfg or TreeConfig()
+    return decoder_for(cfg.method, TorchEngines(target, middle, tokenizer), cfg, sampling, **kwargs)
+
+
+def ar_decoder(model, eos_ids=None, sampling=None):
+    """``ar`` over a PyTorch model, through the front door."""
+    from treegraft.engines.torch import TorchEngines
+    from treegraft.front import decoder_for
+
+    return decoder_for("ar", TorchEngines(model), sampling=sampling, eos_ids=eos_ids)

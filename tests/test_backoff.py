@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
+from treegraft.decoding import TreeConfig
 from treegraft.decoding.backoff import CallGate
 from treegraft.scheduling import FixedScheduler
+from .conftest import ar_decoder, tree_decoder
 
 PLAIN_S = 0.1  # a plain step: 10 tokens/s
 
@@ -68,11 +69,11 @@ def test_decoder_backs_off_a_losing_policy_and_stays_lossless(tiny_pair):
     plain decoding; with the back-off the decoder stops calling, without it it keeps calling."""
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok("def f(x):\n    return x + 1\n\ndef g(x):\n    return").input_ids
-    want = AutoregressiveDecoder(target, set()).generate(ids, 80).tokens
+    want = ar_decoder(target, set()).generate(ids, 80).tokens
     calls = {}
     for backoff in (True, False):
         cfg = TreeConfig(method="fixed", budget="auto", call_backoff=backoff)
-        dec = TreeGraftDecoder(target, middle, tok, cfg, eos_ids=set(), scheduler=FixedScheduler([1] * cfg.depth))
+        dec = tree_decoder(target, middle, tok, cfg, eos_ids=set(), scheduler=FixedScheduler([1] * cfg.depth))
         # price a plain step as cheap as a turn's whole verification: a call turn then never pays
         dec._planner().curve = {n: 1e-9 for n in dec._planner().curve}
         out = dec.generate(ids, 80)
@@ -86,8 +87,8 @@ def test_decoder_backs_off_a_losing_policy_and_stays_lossless(tiny_pair):
 
 def test_fixed_schedules_and_the_warm_up_never_back_off(tiny_pair):
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
-    assert TreeGraftDecoder(target, middle, tok, TreeConfig(method="fixed")).gate is None
-    dec = TreeGraftDecoder(target, middle, tok, TreeConfig(method="fixed", budget="auto"), eos_ids=set(),
+    assert tree_decoder(target, middle, tok, TreeConfig(method="fixed")).gate is None
+    dec = tree_decoder(target, middle, tok, TreeConfig(method="fixed", budget="auto"), eos_ids=set(),
                            scheduler=FixedScheduler([1] * 5))
     dec._planner().curve = {n: 1e-9 for n in dec._planner().curve}
     gate = dec.gate
@@ -111,11 +112,11 @@ def test_decoder_never_calls_where_the_prompt_catch_up_is_too_dear(tiny_pair):
     its output is still `ar`'s; with nearly free rows (a GPU's curve) it calls."""
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok(" ".join(["the quick brown fox jumps over the lazy dog"] * 6)).input_ids
-    want = AutoregressiveDecoder(target, set()).generate(ids, 16).tokens
+    want = ar_decoder(target, set()).generate(ids, 16).tokens
     calls = {}
     for name, per_row in (("linear", 1.0), ("flat", 1e-6)):
         cfg = TreeConfig(method="fixed", budget="auto")
-        dec = TreeGraftDecoder(target, middle, tok, cfg, eos_ids=set(), scheduler=FixedScheduler([1] * cfg.depth))
+        dec = tree_decoder(target, middle, tok, cfg, eos_ids=set(), scheduler=FixedScheduler([1] * cfg.depth))
         dec._planner().curve = {n: 1.0 + per_row * (n - 1) for n in dec._planner().curve}
         dec.t_tgt_ms, dec.t_mid_ms = 10.0, 5.0
         out = dec.generate(ids, 16)

@@ -8,7 +8,8 @@ from omegaconf import OmegaConf
 
 from treegraft.config import CONF_DIR
 from treegraft.data import BenchmarkConfig
-from treegraft.decoding.factory import METHODS, tree_config_from
+from treegraft.decoding.methods import METHODS
+from treegraft.decoding.tree_config import tree_config_from
 from treegraft.models import PairSpec
 
 from .conftest import compose

@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treegraft.decoding import AutoregressiveDecoder, SamplingConfig, TreeConfig, TreeGraftDecoder
+from treegraft.decoding import SamplingConfig, TreeConfig
 from treegraft.decoding.budget import AcceptanceModel, BudgetPlanner
-from treegraft.decoding.factory import build_decoder
+from treegraft.front import decoder_for
 from treegraft.decoding.tree_decoder import METHOD_PRESETS, auto_shape
-from treegraft.drafters.middle import TokenLogProbs, argmax_scores, scores, topk
+from treegraft.engines.logprobs import TokenLogProbs, argmax_scores, scores, topk
 from treegraft.drafters.vocab import SubsetHead, VocabSubset, frequent_tokens
 from treegraft.models import PairSpec, build_tiny_tokenizer, load_pair
 from treegraft.tree import SMALL, DraftTree, prune_order, prune_to_budget
+from .conftest import ar_decoder, tree_decoder
 
 # a repetitive prompt (whole chains accepted) and code; the session's cache (TREEGRAFT_CACHE) holds the
 # frequent tokens and verification curves every test here shares
@@ -44,9 +45,9 @@ def test_every_method_equals_ar_of_the_same_runtime_on_the_tiny_pair(tiny_runtim
     tok = pair.tokenizer
     for text in PROMPTS:
         ids = tok(text).input_ids
-        ref = build_decoder("ar", pair).generate(ids, 24).tokens
+        ref = decoder_for("ar", pair).generate(ids, 24).tokens
         for method in METHOD_PRESETS:
-            dec = build_decoder(method, pair, TREE)
+            dec = decoder_for(method, pair, TREE)
             result = dec.generate(ids, 24)
             assert result.tokens == ref, (pair.runtime, pair.middle_runtime, method, text)
             assert all(t["verified_nodes"] <= t["budget"] <= 63 for t in result.turns)
@@ -71,9 +72,9 @@ def test_every_method_equals_ar_of_the_same_runtime_on_smollm2(runtime):
     for bench in {"float32_packed": ("humaneval",), "int4": ("gsm8k",)}[runtime]:  # code and prose
         record = load_benchmark(BenchmarkConfig(name=bench, num_prompts=1))[0]
         ids = tok(format_prompt(tok, record["turns"][0]), add_special_tokens=False).input_ids[:96]
-        ref = build_decoder("ar", pair).generate(ids, 14).tokens
+        ref = decoder_for("ar", pair).generate(ids, 14).tokens
         for method in SMOLLM2_METHODS:
-            out = build_decoder(method, pair, tree).generate(ids, 14).tokens
+            out = decoder_for(method, pair, tree).generate(ids, 14).tokens
             assert out == ref, (runtime, method, bench)
 
 
@@ -83,7 +84,7 @@ def test_restricted_vocab_and_shapes_stay_lossless_under_sampling_rules(tiny_pai
     tok = tiny_pair.tokenizer
     ids = tok("abab abab").input_ids
     cfg = TreeConfig.paper(method="all_mid", budget=12, shape="auto", draft_vocab=40)
-    out = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, cfg, SamplingConfig(temperature=0.8, seed=1),
+    out = tree_decoder(tiny_pair.target, tiny_pair.middle, tok, cfg, SamplingConfig(temperature=0.8, seed=1),
                            eos_ids=set(), cache_dir=tmp_path).generate(ids, 20)
     assert len(out.tokens) == 20
 
@@ -91,13 +92,13 @@ def test_restricted_vocab_and_shapes_stay_lossless_under_sampling_rules(tiny_pai
 def test_all_small_has_no_middle_drafter_and_the_middle_prefill_is_lazy(tiny_pair, tmp_path):
     tok = tiny_pair.tokenizer
     ids = tok("hello world hello").input_ids
-    small = build_decoder("all_small", tiny_pair, {"budget": 4}, cache_dir=tmp_path)
+    small = decoder_for("all_small", tiny_pair, {"budget": 4}, cache_dir=tmp_path)
     assert small.middle is None
-    mid = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="fixed", schedule=[0, 0, 0, 0, 0],
+    mid = tree_decoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="fixed", schedule=[0, 0, 0, 0, 0],
                                                                             budget=4), eos_ids=set())
     mid.generate(ids, 3)
     assert mid.middle.calls == 0 and mid.middle.pending  # never called: the prompt was never encoded
-    eager = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="fixed", schedule=[0] * 5,
+    eager = tree_decoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="fixed", schedule=[0] * 5,
                                                                               budget=4), eos_ids=set(),
                              eager_middle_prefill=True)
     eager.generate(ids, 3)
@@ -121,9 +122,9 @@ def test_shape_auto_builds_trees_that_grow_with_the_budget(tiny_pair, tmp_path):
     sizes = {}
     for budget in (2, 30):
         cfg = TreeConfig.paper(method="all_call", budget=budget, shape="auto")
-        res = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, cfg, eos_ids=set()).generate(ids, 12)
+        res = tree_decoder(tiny_pair.target, tiny_pair.middle, tok, cfg, eos_ids=set()).generate(ids, 12)
         sizes[budget] = max(t["tree_nodes"] for t in res.turns)
-    paper = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="all_call", budget=30),
+    paper = tree_decoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="all_call", budget=30),
                              eos_ids=set()).generate(ids, 12)
     assert sizes[2] < sizes[30] <= max(t["tree_nodes"] for t in paper.turns)
 
@@ -223,14 +224,14 @@ def test_budget_planner_follows_curve_and_acceptance():
 def test_budget_auto_plans_every_turn(tiny_pair, tmp_path):
     tok = tiny_pair.tokenizer
     ids = tok("abab abab abab ab").input_ids
-    dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.target, tok, TreeConfig.paper(method="all_mid", budget="auto"),
+    dec = tree_decoder(tiny_pair.target, tiny_pair.target, tok, TreeConfig.paper(method="all_mid", budget="auto"),
                            eos_ids=set(), cache_dir=tmp_path)
     res = dec.generate(ids, 40)
     assert (tmp_path / "verify_curves.json").is_file()
     assert all(0 <= t["budget"] <= 63 for t in res.turns)
     # the same model as middle drafter: chains are accepted whole, and the planner learns it
     assert max(t["budget"] for t in res.turns) >= 3 and dec.planner.acceptance.p(-0.05) > 0.5
-    assert res.tokens == AutoregressiveDecoder(tiny_pair.target, set()).generate(ids, 40).tokens
+    assert res.tokens == ar_decoder(tiny_pair.target, set()).generate(ids, 40).tokens
 
 
 def test_vocab_subset_and_head_equal_a_restricted_softmax():

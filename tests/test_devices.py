@@ -13,19 +13,21 @@ import torch
 
 from tests.device_provenance import DeviceProvenance
 from treegraft import devices
-from treegraft.decoding import AutoregressiveDecoder, SamplingConfig
-from treegraft.decoding.factory import decoder_for
+from treegraft.decoding import SamplingConfig
+from treegraft.front import decoder_for
 from treegraft.hostreads import count_host_reads
 from treegraft.scheduling.learned import LearnedScheduler, MarginPredictor
 from treegraft.scheduling.signals import REFERENCE_SIGNALS
+from .conftest import ar_decoder
+from treegraft.engines.torch import TorchEngines
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "treegraft"
 # the decoder's hot path: every module a generation runs through between prefill and the last token
-# (the scheduler's offline fitting, scheduling/value.py, and transformers' generate() entry, which runs once
-# per call, are not on it)
+# (the scheduler's offline fitting, scheduling/value.py, is not on it)
 HOT_PATH = sorted(p for p in [*SRC.glob("decoding/*.py"), *SRC.glob("decoding/builders/*.py"), *SRC.glob("drafters/*.py"),
-                              *SRC.glob("tree/*.py"), *SRC.glob("scheduling/*.py"), SRC / "model_io.py"]
-                  if p.name not in ("value.py", "hf_generate.py"))
+                              *SRC.glob("engines/*.py"), *SRC.glob("engines/torch/*.py"), *SRC.glob("tree/*.py"),
+                              *SRC.glob("scheduling/*.py"), SRC / "model_io.py", SRC / "front.py"]
+                  if p.name != "value.py")
 # (the *_like factories take their input's device)
 FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "full", "empty", "arange", "rand", "randn", "randint",
              "randperm", "eye", "linspace"}
@@ -39,7 +41,7 @@ def learned_scheduler(depth: int = 5, seed: int = 0) -> LearnedScheduler:
 
 def decoder(pair, method: str, **tree):
     scheduler = learned_scheduler() if method == "treegraft" else None
-    return decoder_for(method, pair.target, pair.middle, pair.tokenizer, tree, scheduler=scheduler)
+    return decoder_for(method, TorchEngines(pair.target, pair.middle, pair.tokenizer), tree, scheduler=scheduler)
 
 
 # ---------------------------------------------------------------- where tensors live
@@ -53,7 +55,7 @@ def test_no_host_tensor_meets_a_model_tensor(tiny_pair, method, draft_vocab):
     with DeviceProvenance() as provenance:
         out = dec.generate(PROMPT, 24)
     assert provenance.violations == []
-    assert out.tokens == AutoregressiveDecoder(tiny_pair.target).generate(PROMPT, 24).tokens
+    assert out.tokens == ar_decoder(tiny_pair.target).generate(PROMPT, 24).tokens
 
 
 def test_provenance_check_catches_a_host_index_into_model_output(tiny_pair):
@@ -195,7 +197,7 @@ def test_host_read_counter_counts_every_kind_of_read():
 def test_sampling_reads_one_per_visited_row(tiny_pair):
     """Under sampling a visited row costs one read (its children's probabilities and their uniform draws),
     the bonus one more."""
-    dec = decoder_for("fixed", tiny_pair.target, tiny_pair.middle, tiny_pair.tokenizer, {},
+    dec = decoder_for("fixed", TorchEngines(tiny_pair.target, tiny_pair.middle, tiny_pair.tokenizer), {},
                       SamplingConfig(temperature=0.8, seed=3))
     dec.generate(PROMPT, 8)
     marks = []
@@ -300,5 +302,5 @@ def test_tree_forwards_fold_gqa_and_plain_calls_keep_sdpa(tiny_pair, monkeypatch
     out = dec.generate(PROMPT, 16)
     assert calls and max(calls) > 1  # tree rows went through the folded attention
     assert tiny_pair.target.config._attn_implementation == "sdpa"
-    assert out.tokens == AutoregressiveDecoder(tiny_pair.target).generate(PROMPT, 16).tokens
+    assert out.tokens == ar_decoder(tiny_pair.target).generate(PROMPT, 16).tokens
     AttentionInterface._global_mapping.pop(model_io.TREE_SDPA, None)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
-from treegraft.decoding.engine import TorchTarget
+from treegraft.decoding import TreeConfig, TreeGraftDecoder
+from treegraft.engines.torch import TorchTarget
 from treegraft.devices import Clock
 from treegraft.pipeline.enumeration import enumerate_turn
+from .conftest import ar_decoder, tree_decoder
 
 VOCAB = 16
 
@@ -79,7 +80,7 @@ def test_a_model_free_engine_decodes_through_the_seam():
     prompt = list(range(VOCAB)) * 2 + [0, 1, 2]  # the n-gram drafter can copy the count from the prompt
     for cfg in (TreeConfig(method="all_small", budget=8), TreeConfig(method="all_small")):  # fixed and auto B_ver
         engine.calls.clear()
-        dec = TreeGraftDecoder(None, None, None, cfg, eos_ids=set(), engine=engine)
+        dec = TreeGraftDecoder(engine, None, None, cfg, eos_ids=set())
         out = dec.generate(prompt, 40)
         assert out.tokens == [(3 + i) % VOCAB for i in range(40)]
         assert max(t["accepted"] for t in out.turns) >= 4  # the tree did the work, not one token a turn
@@ -111,8 +112,8 @@ def test_the_torch_engine_under_a_turn_and_an_enumeration(tiny_pair):
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok("abab abab abab ab").input_ids
     cfg = TreeConfig(method="fixed", budget=6)
-    dec = TreeGraftDecoder(target, middle, tok, cfg, eos_ids=set(), eager_middle_prefill=True)
-    dec.engine = engine = Recording(target, dec._frequent)
+    dec = tree_decoder(target, middle, tok, cfg, eos_ids=set(), eager_middle_prefill=True)
+    dec.engine = engine = Recording(target, dec.engine._frequent)
     enumerated = []
 
     def before_turn(index, root):
@@ -127,7 +128,7 @@ def test_the_torch_engine_under_a_turn_and_an_enumeration(tiny_pair):
             assert engine.context_len() == length  # the state as it was
 
     out = dec.generate(ids, 24, before_turn=before_turn)
-    assert out.tokens == AutoregressiveDecoder(target, set()).generate(ids, 24).tokens
+    assert out.tokens == ar_decoder(target, set()).generate(ids, 24).tokens
     assert enumerated and len(enumerated[0].outcomes) == 2 ** cfg.depth
     keeps = [c for c in engine.calls if c[0] == "keep"]
     assert len(keeps) == len(out.turns)

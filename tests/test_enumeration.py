@@ -8,9 +8,10 @@ import itertools
 import pytest
 import torch
 
-from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
+from treegraft.decoding import TreeConfig
 from treegraft.pipeline.collect import decode_with_enumeration, enumeration_rows
 from treegraft.pipeline.enumeration import enumerate_turn, schedule_key
+from .conftest import ar_decoder, tree_decoder
 
 PROMPT = "abcabc abcabc abcabc abc"
 ALL = sorted(schedule_key(s) for s in itertools.product((0, 1), repeat=5))
@@ -18,7 +19,7 @@ ALL = sorted(schedule_key(s) for s in itertools.product((0, 1), repeat=5))
 
 def make(tiny_pair, middle, schedule=(1, 0, 1, 0, 1), budget=10):
     cfg = TreeConfig.paper(method="fixed", schedule=list(schedule), budget=budget, width=4, top_m=4)
-    return TreeGraftDecoder(tiny_pair.target, middle, tiny_pair.tokenizer, cfg, eos_ids={2})
+    return tree_decoder(tiny_pair.target, middle, tiny_pair.tokenizer, cfg, eos_ids={2})
 
 
 @torch.inference_mode()
@@ -69,7 +70,7 @@ def test_decoding_with_enumeration_equals_ar_and_rows_are_complete(tiny_pair):
     ids = tiny_pair.tokenizer(PROMPT).input_ids
     dec = make(tiny_pair, tiny_pair.target)
     tokens, ens = decode_with_enumeration(dec, ids, 20, lambda t: t % 2 == 0)
-    assert tokens == AutoregressiveDecoder(tiny_pair.target, {2}).generate(ids, 20).tokens
+    assert tokens == ar_decoder(tiny_pair.target, {2}).generate(ids, 20).tokens
     assert [t for t, _ in ens] == list(range(0, 2 * len(ens), 2))
     rows = enumeration_rows(ens[0][1], 5, {"report": "r", "turn": 0})
     assert len(rows) == 32 * 5

@@ -8,10 +8,10 @@ import sys
 
 import torch
 
-from treegraft.decoding import AutoregressiveDecoder
 from treegraft.models import build_tiny_model, build_tiny_tokenizer
 
 from .conftest import REPO_ROOT
+from .conftest import ar_decoder
 
 
 def run_generate_process(*overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -61,7 +61,7 @@ def test_generate_prints_text_and_stats_line():
     assert (same.returncode, same.stdout) == (0, proc.stdout)
     assert same.stderr.split(" time=")[0] == proc.stderr.split(" time=")[0]
     tok = build_tiny_tokenizer()
-    expected = AutoregressiveDecoder(build_tiny_model(0), {2}).generate(tok("hello world again").input_ids, 16)
+    expected = ar_decoder(build_tiny_model(0), {2}).generate(tok("hello world again").input_ids, 16)
     assert proc.stdout == tok.decode(expected.tokens, skip_special_tokens=True) + "\n"
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("[ar]")  # exactly one stats line

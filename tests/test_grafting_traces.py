@@ -15,17 +15,18 @@ import pandas as pd
 import pytest
 import torch
 
-from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
+from treegraft.decoding import TreeConfig, TreeGraftDecoder
 from treegraft.decoding.autoregressive import GenerationResult
 from treegraft.decoding.turn_stats import TurnStats
 from treegraft.devices import Clock
-from treegraft.drafters.middle import TokenLogProbs
+from treegraft.engines.logprobs import TokenLogProbs
 from treegraft.pipeline.grafting import grafting_examples, grafting_table, render_trace
 from treegraft.pipeline.records import make_record, read_records
 from treegraft.tree import MIDDLE, SMALL, DraftTree
 
 from .test_engine import VOCAB, ScriptedEngine
 from .test_llama_cpp import PROMPT as LLAMA_PROMPT, chat, smol  # noqa: F401  (a module fixture)
+from .conftest import ar_decoder, tree_decoder
 
 PROMPT = list(range(VOCAB)) * 2 + [0, 1, 2]  # root 2; the target continues 3, 4, 5, ...
 WORDS = {3: "L", 4: "umber", 5: " Liquid", 6: "ators", 7: " said", 9: "The", 10: " They", 11: " CBS", 12: "x", 13: "y"}
@@ -82,7 +83,7 @@ class ScriptedMiddle:
 def scripted_decoder(grafting: str, schedule: list[int], middle: ScriptedMiddle, tokenizer=None) -> TreeGraftDecoder:
     cfg = TreeConfig.paper(method="fixed", depth=len(schedule), schedule=schedule, grafting=grafting, budget=40,
                            width=4, top_m=3)
-    return TreeGraftDecoder(None, None, tokenizer, cfg, eos_ids=set(), engine=ScriptedEngine(), drafter=middle)
+    return TreeGraftDecoder(ScriptedEngine(), middle, tokenizer, cfg, eos_ids=set())
 
 
 def path_of(tree: DraftTree, tokens: list[int]) -> list[int]:
@@ -229,9 +230,9 @@ def test_a_generation_traces_the_turns_that_accepted_a_kept_branch():
 def test_greedy_still_equals_ar_and_grafting_counts_add_up_on_the_tiny_pair(tiny_pair):
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok("abcabc abcabc abcabc abc").input_ids
-    ref = AutoregressiveDecoder(target, {2}).generate(ids, 20).tokens
+    ref = ar_decoder(target, {2}).generate(ids, 20).tokens
     for method in ("fixed", "no_nondestructive", "all_mid"):
-        out = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method=method, budget=16)).generate(ids, 20)
+        out = tree_decoder(target, middle, tok, TreeConfig.paper(method=method, budget=16)).generate(ids, 20)
         assert out.tokens == ref, method
         g = out.grafting
         assert g["turns"] == len(out.turns) and g["accepted_tokens"] == sum(t["accepted"] for t in out.turns)
@@ -250,12 +251,12 @@ def test_where_destructive_grafting_first_accepts_less_the_kept_branches_were_ac
     grafts were counted (a node below an earlier graft of the step, which destructive grafting deletes and
     skips), this turn counted 0 such tokens, as did every turn of the decode."""
     from treegraft.data.benchmarks import format_prompt
-    from treegraft.decoding.factory import build_decoder
+    from treegraft.front import decoder_for
 
     pair = smollm2_self_pair
     ids = pair.tokenizer(format_prompt(pair.tokenizer, "Explain why the sky is blue in two sentences."),
                          return_tensors="pt").input_ids[0].tolist()
-    out = {m: build_decoder(m, pair, {"budget": 31}).generate(ids, 16) for m in ("fixed", "no_nondestructive")}
+    out = {m: decoder_for(m, pair, {"budget": 31}).generate(ids, 16) for m in ("fixed", "no_nondestructive")}
     fixed, destructive = out["fixed"], out["no_nondestructive"]
     assert fixed.tokens == destructive.tokens
     first = next(k for k, (a, b) in enumerate(zip(fixed.turns, destructive.turns)) if a["accepted"] != b["accepted"])
@@ -268,11 +269,11 @@ def test_where_destructive_grafting_first_accepts_less_the_kept_branches_were_ac
 
 def test_the_llama_cpp_engine_runs_the_same_provenance(smol):  # noqa: F811
     """llama.cpp runs the same builders: its tree methods carry the same grafting counts and traces."""
-    from treegraft.llama_cpp import llama_decoder_for
+    from treegraft.front import decoder_for
 
     ids = chat(smol.tokenizer, LLAMA_PROMPT)
-    ref = llama_decoder_for("ar", smol).generate(ids, 24).tokens
-    out = llama_decoder_for("fixed", smol, {"budget": 15}).generate(ids, 24)
+    ref = decoder_for("ar", smol).generate(ids, 24).tokens
+    out = decoder_for("fixed", smol, {"budget": 15}).generate(ids, 24)
     assert out.tokens == ref
     g = out.grafting
     assert g["turns"] == len(out.turns) and g["accepted_tokens"] == sum(t["accepted"] for t in out.turns)
@@ -288,7 +289,7 @@ def test_records_carry_the_grafting_fields(tmp_path, tiny_pair):
     out = scripted_decoder("nondestructive", [0, 0, 0, 0, 1], middle, tokenizer=Words()).generate(PROMPT, 10)
     rec = make_record("p", "gsm8k", "fixed", 7, out, "text")
     assert rec["grafting"] == out.grafting and rec["grafting_examples"] == out.grafting_examples
-    ar = AutoregressiveDecoder(tiny_pair.target, {2}).generate([5, 6, 7], 4)
+    ar = ar_decoder(tiny_pair.target, {2}).generate([5, 6, 7], 4)
     ar_rec = make_record("p", "gsm8k", "ar", 7, ar, "text")
     assert ar_rec["grafting"] is None and ar_rec["grafting_examples"] is None
     folder = tmp_path / "p" / "gsm8k"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import TextIteratorStreamer
 
-from treegraft.decoding.hf_generate import TreeGraftGenerateError
+from treegraft.hf_generate import TreeGraftGenerateError
 from treegraft.models import build_tiny_model, build_tiny_tokenizer
 
 from .conftest import REPO_ROOT

@@ -13,10 +13,11 @@ PACKAGE = REPO_ROOT / "src" / "treegraft"
 LAYERS = [
     {"atomic", "paths", "torch_ops", "devices", "hostreads", "machine", "config", "errors", "model_io", "tree", "stats"},
     {"drafters", "data", "models"},
+    {"engines"},  # protocols at the bottom, the implementations (torch, llama_cpp) beside each other above them
     {"scheduling"},
-    {"decoding"},
-    {"llama_cpp"},  # the second engine: over the decoder's seam
-    {"pipeline"},
+    {"decoding"},  # the decoding loop: engines' protocols only (test_the_decoding_loop_imports_no_engine)
+    {"front"},  # the front door: a pair's engines and the one method dispatch
+    {"pipeline", "hf_generate"},
     {"generate", "__init__"},
 ]
 
@@ -82,6 +83,99 @@ def test_the_check_catches_an_upward_import(tmp_path):
     absolute.write_text(absolute.read_text() + "\nimport treegraft.decoding.budget\n")
     problems = import_violations(copy)
     assert problems == [
-        "scheduling/signals.py imports decoding (layer 3 > 2)",
-        "tree/buffers.py imports pipeline (layer 5 > 0)",
+        "scheduling/signals.py imports decoding (layer 4 > 3)",
+        "tree/buffers.py imports pipeline (layer 6 > 0)",
     ]
+
+
+# what the decoding loop may import of the engines layer: the protocols and the data they hand over
+ENGINE_INTERFACE = {"engines", "engines.protocols", "engines.logprobs"}
+
+
+def _modules_imported(path: Path, package: Path) -> list[str]:
+    """Every module of the package ``path`` imports, as a dotted path below the package (``engines.torch.target``)."""
+    rel = path.relative_to(package).with_suffix("")
+    here = list(rel.parts[:-1])
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here[: len(here) - (node.level - 1)] if node.level > 1 else list(here)
+                parts = base + (node.module.split(".") if node.module else [])
+            elif node.module and node.module.split(".")[0] == package.name:
+                parts = node.module.split(".")[1:]
+            else:
+                continue
+            out.append(".".join(parts))
+        elif isinstance(node, ast.Import):
+            out += [".".join(a.name.split(".")[1:]) for a in node.names if a.name.split(".")[0] == package.name]
+    return [m for m in out if m]
+
+
+def engine_leaks(package: Path = PACKAGE) -> list[str]:
+    """``"<module> imports <engine module>"`` for every decoding module that imports more of the engines
+    layer than its protocols."""
+    problems = []
+    for path in sorted((package / "decoding").rglob("*.py")):
+        for module in _modules_imported(path, package):
+            if module.split(".")[0] == "engines" and module not in ENGINE_INTERFACE:
+                problems.append(f"{path.relative_to(package)} imports {module}")
+    return problems
+
+
+def import_cycles(package: Path = PACKAGE) -> list[list[str]]:
+    """Cycles among the package's modules (an import inside a function counts: it is still a dependency)."""
+    def module_of(path: Path) -> str:
+        rel = path.relative_to(package).with_suffix("")
+        parts = list(rel.parts[:-1]) if rel.name == "__init__" else list(rel.parts)
+        return ".".join(parts)
+
+    files = {module_of(p): p for p in package.rglob("*.py")}
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for module in _modules_imported(path, package):
+            # `from .x import y` may name a submodule y or a name in x: take the longest module that exists
+            while module and module not in files:
+                module = module.rpartition(".")[0]
+            if module and module != name and not name.startswith(module + ".") and module != "":
+                deps.add(module)
+        graph[name] = deps
+    cycles, state = [], {}
+
+    def visit(node, stack):
+        state[node] = 1
+        stack.append(node)
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(stack[stack.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
+def test_the_decoding_loop_imports_no_engine():
+    assert engine_leaks() == []
+
+
+def test_no_module_imports_itself_back():
+    assert import_cycles() == []
+
+
+def test_the_checks_catch_an_engine_import_and_a_cycle(tmp_path):
+    import shutil
+
+    copy = tmp_path / "treegraft"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "*.cpp"))
+    loop = copy / "decoding" / "tree_decoder.py"
+    loop.write_text(loop.read_text() + "\nfrom ..engines.torch.target import TorchTarget\n")
+    costs = copy / "engines" / "llama_cpp" / "model.py"
+    costs.write_text(costs.read_text() + "\nfrom .costs import model_key\n")
+    assert engine_leaks(copy) == ["decoding/tree_decoder.py imports engines.torch.target"]
+    assert ["engines.llama_cpp.costs", "engines.llama_cpp.model", "engines.llama_cpp.costs"] in import_cycles(copy)

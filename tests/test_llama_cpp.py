@@ -10,8 +10,8 @@ import os
 import pytest
 import torch
 
-from treegraft.llama_cpp.build import installed_build, patch_id
-from treegraft.llama_cpp.check import ar_logits, batch_invariance, one_token_logits
+from treegraft.engines.llama_cpp.build import installed_build, patch_id
+from treegraft.engines.llama_cpp.check import ar_logits, batch_invariance, one_token_logits
 
 
 def _require_llama_cpp():
@@ -44,7 +44,7 @@ def smol():
 
     _require_llama_cpp()
     require_embedded("smollm2-135m")
-    from treegraft.llama_cpp import load_llama_pair
+    from treegraft.engines.llama_cpp import load_llama_pair
 
     return load_llama_pair("embedded:smollm2-135m", "embedded:smollm2-135m", n_ctx=2048)
 
@@ -70,7 +70,7 @@ def test_batch_invariant_products_give_every_column_the_bits_of_a_batch_of_one(t
     import platform
 
     _require_llama_cpp()
-    from treegraft.llama_cpp.engine import multicol_check
+    from treegraft.engines.llama_cpp import multicol_check
 
     block = 256 if type_name.endswith("_K") else 32
     results = {(n, nc): multicol_check(type_name, n, rows=5, columns=nc, seed=n + nc)
@@ -108,7 +108,7 @@ def test_chains_and_trees_in_one_batch_equal_one_token_decoding(smol, context):
 def test_the_check_sees_the_stock_kernels_differ(smol):
     """The same check on the stock fast kernels (repacked weights, tiled and split-KV paths) finds rows
     that differ: the check can fail, and the exact mode is what makes it pass."""
-    from treegraft.llama_cpp.engine import GGUFModel
+    from treegraft.engines.llama_cpp import GGUFModel
 
     stock, stock_reference = (GGUFModel(smol.target.path, n_ctx=2048, n_seq=256, exact=False) for _ in range(2))
     results = batch_invariance(stock, stock_reference, 40)
@@ -117,7 +117,7 @@ def test_the_check_sees_the_stock_kernels_differ(smol):
 
 def test_keep_moves_the_accepted_path_into_the_context(smol):
     """After keep(), decoding the next token gives the logits of the accepted text decoded plainly."""
-    from treegraft.llama_cpp.engine import LlamaCppTarget
+    from treegraft.engines.llama_cpp import LlamaCppTarget
     from treegraft.tree import DraftTree, build_tree_inputs
 
     model = smol.target
@@ -142,11 +142,11 @@ def test_keep_moves_the_accepted_path_into_the_context(smol):
 
 
 def test_the_targets_cache_after_many_turns_is_the_plain_decoding_of_the_text(smol, cache_dir):
-    from treegraft.llama_cpp import llama_decoder_for
+    from treegraft.front import decoder_for
 
     ids = chat(smol.tokenizer, PROMPT)
-    greedy = ids + llama_decoder_for("ar", smol).generate(ids, 24 + 20).tokens  # first: ar clears the target's cache
-    dec = llama_decoder_for("all_mid", smol, {"auto_max_budget": 15}, cache_dir=cache_dir)
+    greedy = ids + decoder_for("ar", smol).generate(ids, 24 + 20).tokens  # first: ar clears the target's cache
+    dec = decoder_for("all_mid", smol, {"auto_max_budget": 15}, cache_dir=cache_dir)
     out = dec.generate(ids, 24)
     assert len(out.turns) > 3
     # the last turn may accept more than max_new_tokens lets out: the cache holds every accepted token
@@ -165,17 +165,18 @@ def test_a_full_cache_is_re_encoded_without_changing_the_output(smol, cache_dir)
     """With few KV cells the buried tree cells run out and the target re-encodes its context (the
     prompt's batches replayed as prefill ran them, the rest in exact batches) every few turns: the
     output stays this engine's ar."""
-    from treegraft.llama_cpp import LlamaPair, llama_decoder_for
-    from treegraft.llama_cpp.engine import GGUFModel
+    from treegraft.engines.llama_cpp import LlamaPair
+    from treegraft.front import decoder_for
+    from treegraft.engines.llama_cpp import GGUFModel
 
     ids = chat(smol.tokenizer, PROMPT)
-    want = llama_decoder_for("ar", smol).generate(ids, 48).tokens
+    want = decoder_for("ar", smol).generate(ids, 48).tokens
     # room for the text and one tree beyond it (the window is n_ctx - 128); 33 rows verified a turn
     small = GGUFModel(smol.target.path, n_ctx=len(ids) + 48 + 136, n_seq=64, threads=smol.target.threads)
     clears = []
     plain_clear = small.clear
     small.clear = lambda: (clears.append(small.used), plain_clear())
-    dec = llama_decoder_for("all_mid", LlamaPair(small, smol.middle, smol.tokenizer), tree={"budget": 32},
+    dec = decoder_for("all_mid", LlamaPair(small, smol.middle, smol.tokenizer), tree={"budget": 32},
                             cache_dir=cache_dir)
     out = dec.generate(ids, 48)
     assert out.tokens == want
@@ -185,7 +186,7 @@ def test_a_full_cache_is_re_encoded_without_changing_the_output(smol, cache_dir)
 def _drafter_with_one_node(model, ids):
     """A drafter on ``model`` reset to ``ids`` (all in exact kernels, so scores compare with one-token
     decoding) and a tree of the root and one child ``a`` (token 100), both encoded."""
-    from treegraft.llama_cpp.engine import LlamaCppDrafter
+    from treegraft.engines.llama_cpp import LlamaCppDrafter
     from treegraft.tree import DraftTree
 
     drafter = LlamaCppDrafter(model)
@@ -202,7 +203,7 @@ def test_a_drafter_whose_turn_fills_the_cache_re_encodes_its_context(smol):
     cells ran out within a turn ("KV cache full: 31 rows with 30 of 4096 cells free"). It now clears its
     cache and re-encodes the context when a call would not fit, snapshots taken before still restore,
     and every score is the one-token decoding's."""
-    from treegraft.llama_cpp.engine import GGUFModel
+    from treegraft.engines.llama_cpp import GGUFModel
 
     ids = chat(smol.tokenizer, PROMPT)
     small = GGUFModel(smol.middle.path, n_ctx=len(ids) + 24, n_seq=64, threads=smol.middle.threads)

@@ -9,7 +9,7 @@ import torch
 
 from treegraft.decoding import SamplingConfig
 from treegraft.decoding.sampling import target_distribution
-from treegraft.llama_cpp.check import ar_logits
+from treegraft.engines.llama_cpp.check import ar_logits
 
 from .test_llama_cpp import PROMPT, cache_dir, chat, smol  # noqa: F401  (module fixtures)
 from .test_tree_decoder import chi_square_pvalue
@@ -22,19 +22,19 @@ TREE = {"auto_max_budget": 15}
 
 @pytest.fixture(scope="module")
 def smol_reference(smol):
-    from treegraft.llama_cpp import llama_decoder_for
+    from treegraft.front import decoder_for
 
     prompts = [chat(smol.tokenizer, p) for p in (PROMPT, "Write a haiku about rain.")]
-    ar = llama_decoder_for("ar", smol)
+    ar = decoder_for("ar", smol)
     return prompts, [ar.generate(p, 32).tokens for p in prompts]
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_equals_this_engines_greedy_decoding(smol, smol_reference, method, cache_dir):
-    from treegraft.llama_cpp import llama_decoder_for
+    from treegraft.front import decoder_for
 
     prompts, want = smol_reference
-    dec = llama_decoder_for(method, smol, TREE, cache_dir=cache_dir)
+    dec = decoder_for(method, smol, TREE, cache_dir=cache_dir)
     some = 2 if method in ("fixed", "all_mid", "all_small", "csd") else 1  # the ablations: one prompt
     for ids, ref in zip(prompts[:some], want[:some]):
         out = dec.generate(ids, 32)
@@ -45,23 +45,24 @@ def test_every_method_equals_this_engines_greedy_decoding(smol, smol_reference, 
 def test_a_drafter_on_stock_kernels_still_gives_the_targets_output(smol, smol_reference, cache_dir):
     """A middle drafter that disagrees with the target (the stock, batch-variant kernels) changes the
     drafts, never the output."""
-    from treegraft.llama_cpp import LlamaPair, llama_decoder_for
-    from treegraft.llama_cpp.engine import GGUFModel
+    from treegraft.engines.llama_cpp import LlamaPair
+    from treegraft.front import decoder_for
+    from treegraft.engines.llama_cpp import GGUFModel
 
     stock = GGUFModel(smol.middle.path, n_ctx=2048, n_seq=256, exact=False)
     pair = LlamaPair(smol.target, stock, smol.tokenizer)
     prompts, want = smol_reference
-    dec = llama_decoder_for("all_mid", pair, TREE, cache_dir=cache_dir)
+    dec = decoder_for("all_mid", pair, TREE, cache_dir=cache_dir)
     for ids, ref in zip(prompts, want):
         assert dec.generate(ids, 32).tokens == ref
 
 
 def test_speculative_sampling_on_llama_cpp_keeps_the_target_distribution(smol, cache_dir):
-    from treegraft.llama_cpp import llama_decoder_for
+    from treegraft.front import decoder_for
 
     ids = smol.tokenizer("My favourite word is").input_ids  # a short prompt with a spread-out next token
     probs = target_distribution(ar_logits(smol.target, ids, [])[-1], SamplingConfig(temperature=1.0))
-    dec = llama_decoder_for("all_mid", smol, tree={"depth": 1, "top_m": 4, "budget": 4}, cache_dir=cache_dir,
+    dec = decoder_for("all_mid", smol, tree={"depth": 1, "top_m": 4, "budget": 4}, cache_dir=cache_dir,
                             sampling=SamplingConfig(temperature=1.0))
     samples = []
     for seed in range(150):
@@ -93,8 +94,9 @@ def test_generate_on_llama_cpp_prints_the_same_text_for_every_method():
 def test_a_prompt_longer_than_a_batch_is_caught_up_in_several(smol, cache_dir):
     """A prompt of more than n_batch tokens (64 here, 512 by default): the target prefills it in batches and
     the middle drafter catches up in batches before its first call's nodes; the output is ar's."""
-    from treegraft.llama_cpp import LlamaPair, llama_decoder_for
-    from treegraft.llama_cpp.engine import GGUFModel
+    from treegraft.engines.llama_cpp import LlamaPair
+    from treegraft.front import decoder_for
+    from treegraft.engines.llama_cpp import GGUFModel
 
     def small_batches():
         return GGUFModel(smol.target.path, n_ctx=1024, n_seq=64, n_batch=64, exact=True)
@@ -104,25 +106,25 @@ def test_a_prompt_longer_than_a_batch_is_caught_up_in_several(smol, cache_dir):
     pair = LlamaPair(small_batches(), small_batches(), smol.tokenizer)
     ids = smol.tokenizer("Repeat after me: " + " ".join(f"item{i}" for i in range(50))).input_ids
     assert len(ids) > 2 * pair.middle.n_batch
-    want = llama_decoder_for("ar", pair).generate(ids, 12).tokens
-    assert llama_decoder_for("all_mid", pair, TREE, cache_dir=cache_dir).generate(ids, 12).tokens == want
+    want = decoder_for("ar", pair).generate(ids, 12).tokens
+    assert decoder_for("all_mid", pair, TREE, cache_dir=cache_dir).generate(ids, 12).tokens == want
 
 
 def test_decoders_share_one_encoding_of_a_prompt_and_each_is_charged_for_it(smol, smol_reference, cache_dir):
     """With ``PromptReuse`` (what `evaluate` turns on): the first decoder encodes a prompt and saves seq 0,
     the others restore it; each output, each n-gram score and each prefill time (the encoding's seconds,
     charged) are those of a decoder that encoded the prompt itself."""
-    from treegraft.llama_cpp import llama_decoder_for
-    from treegraft.llama_cpp.engine import PromptReuse
+    from treegraft.front import decoder_for
+    from treegraft.engines.llama_cpp import PromptReuse
 
     prompts, want = smol_reference
-    alone = llama_decoder_for("all_small", smol, TREE, cache_dir=cache_dir)
+    alone = decoder_for("all_small", smol, TREE, cache_dir=cache_dir)
     request = (alone.cfg.ngram.top_m, alone.cfg.ngram.prefill_vocab)
     alone_scores = alone.engine.prefill(prompts[0], *request)
     smol.target.prompt_reuse = reuse = PromptReuse()
     smol.middle.prompt_reuse = middle_reuse = PromptReuse()
     try:
-        decoders = {m: llama_decoder_for(m, smol, TREE, cache_dir=cache_dir) for m in ("ar", "all_small", "all_mid", "all_call")}
+        decoders = {m: decoder_for(m, smol, TREE, cache_dir=cache_dir) for m in ("ar", "all_small", "all_mid", "all_call")}
         for dec in decoders.values():  # warm-ups, as evaluate's: every decoder's score request is known after them
             dec.generate(prompts[1], 4)
         reuse.forget()

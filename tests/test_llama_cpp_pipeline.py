@@ -39,7 +39,7 @@ def llama_smoke(tmp_path_factory):
 
 
 def test_collect_records_the_engine_and_its_build(llama_smoke):
-    from treegraft.llama_cpp.build import patch_id
+    from treegraft.engines.llama_cpp.build import patch_id
 
     runtime = json.loads((llama_smoke / "collect" / "smollm2-135m__self" / "runtime.json").read_text())
     assert runtime["engine"] == "llama_cpp" and runtime["engine_exact"] is True
@@ -72,7 +72,7 @@ def test_the_records_of_another_engine_are_not_reused(llama_smoke):
 
 
 def test_engine_auto_picks_by_the_measured_step_and_says_why(monkeypatch):
-    from treegraft.llama_cpp import select
+    from treegraft import front as select
     from treegraft.models import PairSpec
 
     cfg = compose("generate", ["pair=tiny-random", "engine=auto", "runtime=float32"])
@@ -95,7 +95,7 @@ def test_engine_auto_picks_by_the_measured_step_and_says_why(monkeypatch):
 
 def test_make_all_auto_runs_the_experiment_of_the_faster_engine(monkeypatch):
     from treegraft.config import CONF_DIR
-    from treegraft.llama_cpp import select
+    from treegraft import front as select
     from treegraft.pipeline.run_all import AUTO_EXPERIMENTS, auto_experiment
 
     cfg = compose("collect", ["experiment=cpu"])

@@ -234,7 +234,7 @@ def test_treegraft_deploys_the_best_fixed_schedule_where_the_distilled_scheduler
     """distill's check: a distilled scheduler that does not beat the best fixed schedule on held-out prompts
     with the difference's CI above 0 (below it, tied with it, or ahead by less than the CI carries) is not
     deployed; the saved scheduler says which policy runs, and the loader returns that policy."""
-    from treegraft.decoding.factory import load_learned_scheduler
+    from treegraft.decoding.methods import load_learned_scheduler
     from treegraft.scheduling.learned import LearnedScheduler, fixed_fallback
     from treegraft.scheduling.policy import CostAwareFixedScheduler, FixedScheduler, StepState
 

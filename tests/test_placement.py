@@ -10,9 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from treegraft.decoding import AutoregressiveDecoder
-from treegraft.decoding.engine import TorchTarget
-from treegraft.decoding.factory import decoder_for
+from treegraft.engines.torch import TorchTarget
+from treegraft.front import decoder_for
 from treegraft.devices import input_device, model_devices, output_device
 from treegraft.models import PairSpec, load_pair
 from treegraft.models.loading import placement_from
@@ -21,6 +20,8 @@ from treegraft.models.placement import (HUB_SHAPES, PairDoesNotFitError, Placeme
 from treegraft.models.tiny import build_tiny_model, build_tiny_tokenizer
 
 from .conftest import REPO_ROOT
+from .conftest import ar_decoder
+from treegraft.engines.torch import TorchEngines
 
 PROMPT = list(range(5, 45)) + list(range(5, 25))
 METHODS = ["ar", "all_small", "all_mid", "fixed", "csd", "hf_assisted"]
@@ -47,7 +48,7 @@ def tiny_folder(tmp_path_factory) -> Path:
      "middle": "auto"},
 ])
 def test_an_offloaded_target_decodes_every_method_to_ar(tiny_pair, tiny_folder, tmp_path, placement):
-    reference = AutoregressiveDecoder(tiny_pair.target).generate(PROMPT, 24).tokens
+    reference = ar_decoder(tiny_pair.target).generate(PROMPT, 24).tokens
     pair = load_pair(PairSpec(name="tiny-offloaded", target=str(tiny_folder), middle="tiny-random:1"),
                      placement=Placement(**placement, offload_folder=str(tmp_path / "offload")))
     assert "disk" in set(pair.target.hf_device_map.values())
@@ -55,7 +56,7 @@ def test_an_offloaded_target_decodes_every_method_to_ar(tiny_pair, tiny_folder, 
     assert input_device(pair.target) == output_device(pair.target) == torch.device("cpu")
     for method in METHODS:
         for draft_vocab in (None, 64):
-            dec = decoder_for(method, pair.target, pair.middle, tiny_pair.tokenizer, {"draft_vocab": draft_vocab})
+            dec = decoder_for(method, TorchEngines(pair.target, pair.middle, tiny_pair.tokenizer), {"draft_vocab": draft_vocab})
             assert dec.generate(PROMPT, 24).tokens == reference, (method, draft_vocab)
 
 
@@ -119,7 +120,7 @@ def test_flash_attention_is_refused_in_one_line(tiny_pair):
     with pytest.raises(ValueError, match="cannot run a tree mask"):
         TorchTarget(model, lambda k, v: torch.arange(k, device="cpu"))
     with pytest.raises(ValueError, match="cannot run a tree mask"):
-        decoder_for("fixed", tiny_pair.target, model, tiny_pair.tokenizer)
+        decoder_for("fixed", TorchEngines(tiny_pair.target, model, tiny_pair.tokenizer))
 
 
 def test_a_split_model_names_every_device_it_computes_on(monkeypatch):

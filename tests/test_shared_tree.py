@@ -9,11 +9,12 @@ import itertools
 import pytest
 import torch
 
-from treegraft.decoding import AutoregressiveDecoder, TreeConfig, TreeGraftDecoder
+from treegraft.decoding import TreeConfig
 from treegraft.decoding.budget import AcceptanceModel
 from treegraft.decoding.turn_stats import TurnStats
 from treegraft.scheduling import SIGNAL_NAMES, FixedScheduler, tree_signals
 from treegraft.tree import MIDDLE, SMALL, DraftTree, prune_to_budget
+from .conftest import ar_decoder, tree_decoder
 
 REPEATING = "abcabc abcabc abcabc abc"
 
@@ -26,8 +27,8 @@ def empty_stats():
 def test_greedy_equals_ar_for_every_schedule(tiny_pair, schedule):
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok(REPEATING).input_ids
-    ref = AutoregressiveDecoder(target, {2}).generate(ids, 24).tokens
-    dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="fixed", schedule=list(schedule), budget=24))
+    ref = ar_decoder(target, {2}).generate(ids, 24).tokens
+    dec = tree_decoder(target, middle, tok, TreeConfig.paper(method="fixed", schedule=list(schedule), budget=24))
     out = dec.generate(ids, 24)
     assert out.tokens == ref
     assert all(t["schedule"] == list(schedule) for t in out.turns)
@@ -38,8 +39,8 @@ def test_greedy_equals_ar_for_every_shared_method(tiny_pair, method):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     for middle in (target, tiny_pair.middle):
         ids = tok("hello hello hello world").input_ids
-        dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method=method, budget=30))
-        assert dec.generate(ids, 32).tokens == AutoregressiveDecoder(target, {2}).generate(ids, 32).tokens
+        dec = tree_decoder(target, middle, tok, TreeConfig.paper(method=method, budget=30))
+        assert dec.generate(ids, 32).tokens == ar_decoder(target, {2}).generate(ids, 32).tokens
 
 
 def grown_tree(decoder, tok, text=REPEATING):
@@ -57,7 +58,7 @@ def grown_tree(decoder, tok, text=REPEATING):
 @pytest.mark.parametrize("grafting", ["nondestructive", "destructive"])
 def test_grafting_invariants(tiny_pair, grafting):
     tok = tiny_pair.tokenizer
-    dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok,
+    dec = tree_decoder(tiny_pair.target, tiny_pair.middle, tok,
                            TreeConfig.paper(method="fixed", grafting=grafting, width=4, top_m=5))
     tree, build, stats = grown_tree(dec, tok)
     for step in (3, 4):
@@ -90,7 +91,7 @@ def test_nondestructive_grafting_keeps_the_branch_the_target_accepts(tiny_pair, 
     Non-destructive grafting keeps the branch and the target accepts it; destructive grafting loses it."""
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok("the quick brown fox").input_ids
-    truth = AutoregressiveDecoder(target, set()).generate(ids, 6).tokens
+    truth = ar_decoder(target, set()).generate(ids, 6).tokens
 
     def oracle_propose(self, path, m=None):  # an n-gram drafter that happens to know the continuation
         k = len(path)
@@ -98,7 +99,7 @@ def test_nondestructive_grafting_keeps_the_branch_the_target_accepts(tiny_pair, 
 
     accepted = {}
     for grafting in ("nondestructive", "destructive"):
-        dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="fixed", schedule=[0, 0, 1, 0, 0],
+        dec = tree_decoder(target, middle, tok, TreeConfig.paper(method="fixed", schedule=[0, 0, 1, 0, 0],
                                                                grafting=grafting, budget=63), eos_ids=set())
         monkeypatch.setattr(type(dec.ngram), "propose_kinds", oracle_propose)  # the small step's lookup
         monkeypatch.setattr(type(dec.ngram), "copy_chain_kinds", lambda self, path, max_len=None: [])
@@ -157,7 +158,7 @@ def test_scheduler_is_consulted_each_step_and_call_budget_applies(tiny_pair):
             return 1
 
     cfg = TreeConfig.paper(method="fixed", max_calls_per_turn=2)
-    dec = TreeGraftDecoder(target, middle, tok, cfg, scheduler=Recorder([1] * 5))
+    dec = tree_decoder(target, middle, tok, cfg, scheduler=Recorder([1] * 5))
     out = dec.generate(tok(REPEATING).input_ids, 4)
     assert seen[:5] == [(1, [], True), (2, [1], True), (3, [1, 1], True), (4, [1, 1, 0], True), (5, [1, 1, 0, 0], True)]
     assert out.turns[0]["schedule"] == [1, 1, 0, 0, 0] and out.turns[0]["middle_calls"] == 2
@@ -166,8 +167,8 @@ def test_scheduler_is_consulted_each_step_and_call_budget_applies(tiny_pair):
 def test_csd_drafts_a_chain_and_same_model_accepts_all(tiny_pair):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok(REPEATING).input_ids
-    out = TreeGraftDecoder(target, target, tok, TreeConfig.paper(method="csd"), eos_ids=set()).generate(ids, 30)
-    assert out.tokens == AutoregressiveDecoder(target, set()).generate(ids, 30).tokens
+    out = tree_decoder(target, target, tok, TreeConfig.paper(method="csd"), eos_ids=set()).generate(ids, 30)
+    assert out.tokens == ar_decoder(target, set()).generate(ids, 30).tokens
     assert all(t["verified_nodes"] == 5 for t in out.turns)  # a chain of D nodes, nothing else
     assert sum(t["accepted"] == 5 for t in out.turns) >= len(out.turns) - 1
 
@@ -192,7 +193,7 @@ def test_skipping_steps_beyond_the_budget_keeps_the_same_verified_tree(tiny_pair
         runs = {}
         for skip in (False, True):
             cfg = TreeConfig.paper(method=method, budget=budget, width=4, top_m=4, skip_beyond_budget=skip)
-            dec = TreeGraftDecoder(target, tiny_pair.middle, tok, cfg)
+            dec = tree_decoder(target, tiny_pair.middle, tok, cfg)
             runs[skip] = kept_paths(dec, ids, list(schedule) if schedule else cfg.actions())
         assert runs[True][0] == runs[False][0], (schedule, runs)
         assert runs[True][1] <= runs[False][1]
@@ -207,7 +208,7 @@ def test_turn_and_planner_signals_follow_the_decoding(tiny_pair, tmp_path, monke
     positions; expected_al is the budget planner's value for the tree at that step. The verification
     curve is a fixed, nearly flat one: measured on a loaded machine (CI's two workers) it could make
     every node look too dear to verify, and expected_al 0 everywhere."""
-    import treegraft.decoding.engine as engine
+    import treegraft.engines.torch.target as engine
 
     flat = {1: 0.010, 2: 0.0101, 4: 0.0102, 8: 0.0104, 16: 0.011, 32: 0.012, 64: 0.014}
     monkeypatch.setattr(engine, "cached_verify_curve", lambda *args, **kwargs: dict(flat))
@@ -221,7 +222,7 @@ def test_turn_and_planner_signals_follow_the_decoding(tiny_pair, tmp_path, monke
             seen.append(dict(state.signals))
             return 0
 
-    dec = TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="fixed", budget="auto"),
+    dec = tree_decoder(tiny_pair.target, tiny_pair.middle, tok, TreeConfig.paper(method="fixed", budget="auto"),
                            scheduler=Recorder([0] * 5), cache_dir=tmp_path)
     ids = tok("abab abab abab ab").input_ids
     result = dec.generate(ids, 12)
@@ -238,7 +239,7 @@ def test_turn_and_planner_signals_follow_the_decoding(tiny_pair, tmp_path, monke
 def test_warm_up_times_calls_without_the_prompt_catch_up(tiny_pair, monkeypatch):
     """The warm-up's t_mid is a call's cost, as `collect` measures it: the prompt is encoded at prefill, so
     no timed call carries it (with the lazy catch-up the first call did, and t_mid doubled online)."""
-    from treegraft.drafters.middle import MiddleDrafter
+    from treegraft.engines.torch import MiddleDrafter
 
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok(" ".join(["the quick brown fox jumps over the lazy dog"] * 12)).input_ids
@@ -250,7 +251,7 @@ def test_warm_up_times_calls_without_the_prompt_catch_up(tiny_pair, monkeypatch)
         return forward(self, tree, new_nodes)
 
     monkeypatch.setattr(MiddleDrafter, "_forward", spy)
-    dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="fixed", budget=8))
+    dec = tree_decoder(target, middle, tok, TreeConfig.paper(method="fixed", budget=8))
     t_tgt, t_mid = dec.warm_up(ids, 8)
     assert t_tgt > 0 and t_mid > 0
     assert pending_at_call and max(pending_at_call) < 16 < len(ids)  # only accepted tokens, never the prompt
@@ -266,7 +267,7 @@ def test_warm_up_leaves_the_budget_planner_as_it_found_it(tiny_pair):
     step, and verify large trees for a sunk cost that never comes."""
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok(" ".join(["the quick brown fox jumps over the lazy dog"] * 4)).input_ids
-    dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="fixed", budget="auto"))
+    dec = tree_decoder(target, middle, tok, TreeConfig.paper(method="fixed", budget="auto"))
     dec.warm_up(ids, 8, repeats=2)
     assert dec.planner is not None and dec.planner.draft_s is None  # the curve kept, nothing learned
     assert dec.planner.acceptance.seen == AcceptanceModel().seen

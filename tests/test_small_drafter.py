@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treegraft.decoding import AutoregressiveDecoder, SamplingConfig, TreeConfig, TreeGraftDecoder
-from treegraft.decoding.factory import decoder_for, method_small, parse_method, small_settings
-from treegraft.drafters.middle import MiddleDrafter
+from treegraft.decoding import AutoregressiveDecoder, SamplingConfig, TreeConfig
+from treegraft.front import decoder_for
+from treegraft.decoding.methods import method_small, parse_method, small_settings
+from treegraft.engines.torch import MiddleDrafter
 from treegraft.drafters.small import SmallDrafterConfig, small_config
 from treegraft.model_io import forward_hidden, new_cache
 from treegraft.scheduling import FixedScheduler
@@ -18,13 +19,15 @@ from treegraft.tree import SMALL, DraftTree
 
 from .conftest import compose
 from .test_tree_decoder import chi_square_pvalue, sampling_setup  # noqa: F401  (a fixture)
+from .conftest import ar_decoder, tree_decoder
+from treegraft.engines.torch import TorchEngines
 
 PROMPTS = ["abcabc abcabc abcabc abc", "def f(x):\n    return x + 1\n", "1 2 3 4"]
 SELF_DRAFT_1 = {"name": "self_draft", "layers": 1}  # the tiny middle drafter has 2 layers
 
 
 def ar_tokens(model, ids, n, eos=frozenset({2})):
-    return AutoregressiveDecoder(model, set(eos)).generate(ids, n).tokens
+    return ar_decoder(model, set(eos)).generate(ids, n).tokens
 
 
 def one_line_error(excinfo) -> str:
@@ -39,7 +42,7 @@ def test_greedy_equals_ar_with_a_self_draft_small_drafter(tiny_pair, method):
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     for text in PROMPTS:
         ids = tok(text).input_ids
-        dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method=method, budget=12, width=4, top_m=4),
+        dec = tree_decoder(target, middle, tok, TreeConfig.paper(method=method, budget=12, width=4, top_m=4),
                                small=SELF_DRAFT_1)
         out = dec.generate(ids, 16)
         assert out.tokens == ar_tokens(target, ids, 16), (method, text)
@@ -53,7 +56,7 @@ def test_a_small_drafter_that_is_the_target_gets_its_tokens_accepted(tiny_pair, 
     still equals ar, and the small steps' tokens are accepted (the accept path, not only rejections)."""
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok(PROMPTS[1]).input_ids
-    dec = TreeGraftDecoder(target, target, tok, TreeConfig.paper(method=method, schedule=[0, 0, 1, 0, 0], budget=12,
+    dec = tree_decoder(target, target, tok, TreeConfig.paper(method=method, schedule=[0, 0, 1, 0, 0], budget=12,
                                                                 width=3, top_m=3),
                            small={"name": "self_draft", "layers": 2}, eos_ids=set())
     out = dec.generate(ids, 24)
@@ -77,7 +80,7 @@ def test_greedy_equals_ar_with_a_loaded_small_model_and_a_learned_style_schedule
 
     ids = tok(PROMPTS[0]).input_ids
     for scheduler in (Alternate([1] * 5), FixedScheduler([0, 1, 0, 1, 0])):
-        dec = decoder_for("treegraft", target, middle, tok, {"budget": 12, "width": 3, "top_m": 3},
+        dec = decoder_for("treegraft", TorchEngines(target, middle, tok), {"budget": 12, "width": 3, "top_m": 3},
                           scheduler=scheduler, small=small, eos_ids={2})
         out = dec.generate(ids, 16)
         assert out.tokens == ar_tokens(target, ids, 16)
@@ -89,7 +92,7 @@ def test_sampling_keeps_the_target_distribution_with_a_neural_small_drafter(samp
     """The tiny target's whole depth as the small drafter (its own top-m: the hardest case for a broken
     rule to hide), all_small, the first token sampled 1500 times."""
     target, prompt_ids, probs = sampling_setup
-    dec = TreeGraftDecoder(target, target, None, TreeConfig.paper(method="all_small", depth=1, top_m=6), eos_ids=set(),
+    dec = tree_decoder(target, target, None, TreeConfig.paper(method="all_small", depth=1, top_m=6), eos_ids=set(),
                            small={"name": "self_draft", "layers": 2})
     samples = []
     for seed in range(1500):  # one decoder, a fresh generator per sample (generate starts every state anew)
@@ -102,7 +105,7 @@ def test_sampling_keeps_the_target_distribution_with_a_neural_small_drafter(samp
 # ---------------------------------------------------------------- the drafter itself
 def test_the_self_draft_shares_the_middle_drafters_weights(tiny_pair):
     middle = tiny_pair.middle
-    dec = TreeGraftDecoder(tiny_pair.target, middle, tiny_pair.tokenizer, TreeConfig.paper(method="fixed"),
+    dec = tree_decoder(tiny_pair.target, middle, tiny_pair.tokenizer, TreeConfig.paper(method="fixed"),
                            small=SELF_DRAFT_1)
     small_model = dec.small.model
     assert small_model is not middle and len(small_model.base_model.layers) == 1
@@ -120,7 +123,7 @@ def test_the_small_drafters_cache_stays_consistent_across_turns(tiny_pair):
     tokens: slots the small drafter encoded are kept, the middle drafter's are queued for its next call."""
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok(PROMPTS[1]).input_ids
-    dec = TreeGraftDecoder(target, target, tok, TreeConfig.paper(method="fixed", budget=12, width=3, top_m=3),
+    dec = tree_decoder(target, target, tok, TreeConfig.paper(method="fixed", budget=12, width=3, top_m=3),
                            small={"name": "self_draft", "layers": 2}, eos_ids=set())
     emitted: list[int] = []
     checked = []
@@ -184,7 +187,7 @@ def test_the_small_drafters_cost_is_in_the_small_time_split(tiny_pair):
     ids = tok(PROMPTS[0]).input_ids
     runs = {}
     for name, small in (("ngram", None), ("self_draft", SELF_DRAFT_1)):
-        dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="fixed", budget=12, width=3, top_m=3),
+        dec = tree_decoder(target, middle, tok, TreeConfig.paper(method="fixed", budget=12, width=3, top_m=3),
                                small=small)
         runs[name] = (dec, dec.generate(ids, 8).turns)
     ngram_dec, ngram_turns = runs["ngram"]
@@ -215,16 +218,16 @@ def test_bad_small_drafter_settings_are_one_line_errors(tiny_pair):
     ]
     for small, match in cases:
         with pytest.raises(ValueError, match=match) as excinfo:
-            TreeGraftDecoder(target, middle, tok, cfg, small=small)
+            tree_decoder(target, middle, tok, cfg, small=small)
         one_line_error(excinfo)
     with pytest.raises(ValueError, match="unknown small drafter 'nope'; expected one of ngram, .*self_draft") as excinfo:
         small_settings("nope")
     one_line_error(excinfo)
     with pytest.raises(ValueError, match="layers must be an int >= 1") as excinfo:  # checked where unused too
-        decoder_for("ar", target, middle, tok, small={"name": "self_draft", "layers": 0})
+        decoder_for("ar", TorchEngines(target, middle, tok), small={"name": "self_draft", "layers": 0})
     one_line_error(excinfo)
     # one configured small drafter serves a method list: a method without a small drafter ignores it
-    assert isinstance(decoder_for("ar", target, middle, tok, small=SELF_DRAFT_1), AutoregressiveDecoder)
+    assert isinstance(decoder_for("ar", TorchEngines(target, middle, tok), small=SELF_DRAFT_1), AutoregressiveDecoder)
 
 
 def test_a_small_model_of_another_tokenizer_is_refused(tiny_pair):
@@ -233,7 +236,7 @@ def test_a_small_model_of_another_tokenizer_is_refused(tiny_pair):
     other = build_tiny_tokenizer()
     other.add_tokens(["<extra>"])
     with pytest.raises(TokenizerMismatchError, match="small drafter model 'tiny-random:0' has another tokenizer") as e:
-        TreeGraftDecoder(tiny_pair.target, tiny_pair.middle, other, TreeConfig.paper(method="fixed"),
+        tree_decoder(tiny_pair.target, tiny_pair.middle, other, TreeConfig.paper(method="fixed"),
                          small={"name": "model", "model": "tiny-random:0"})
     one_line_error(e)
 
@@ -264,11 +267,11 @@ def test_method_variants_name_a_small_drafter():
 
 
 def test_llama_cpp_refuses_a_neural_small_drafter_in_one_line():
-    from treegraft.llama_cpp.pair import LlamaPair
-    from treegraft.llama_cpp.select import engine_decoder
+    from treegraft.engines.llama_cpp import LlamaPair
+    from treegraft.front import decoder_for
 
     with pytest.raises(ValueError, match="engine=llama_cpp runs the n-gram small drafter only") as excinfo:
-        engine_decoder("fixed", LlamaPair(None, None, None), small=small_settings("self_draft"))
+        decoder_for("fixed", LlamaPair(None, None, None), small=small_settings("self_draft"))
     one_line_error(excinfo)
 
 
@@ -295,8 +298,8 @@ def test_greedy_equals_ar_on_smollm2_with_a_self_draft_small_drafter(smollm2_sel
     tok = pair.tokenizer
     ids = tok("def fibonacci(n):\n    if n < 2:\n        return n\n    return", add_special_tokens=False).input_ids
     eos = {tok.eos_token_id}
-    ref = AutoregressiveDecoder(pair.target, eos).generate(ids, 10).tokens
-    dec = TreeGraftDecoder(pair.target, pair.middle, tok, TreeConfig.paper(method=method, budget=8, width=3, top_m=3),
+    ref = ar_decoder(pair.target, eos).generate(ids, 10).tokens
+    dec = tree_decoder(pair.target, pair.middle, tok, TreeConfig.paper(method=method, budget=8, width=3, top_m=3),
                            eos_ids=eos, small=small_settings("self_draft"))
     assert dec.generate(ids, 10).tokens == ref
     assert len(dec.small.model.base_model.layers) == 6
@@ -316,7 +319,7 @@ def test_schedule_enumeration_with_a_neural_small_drafter_matches_each_schedule_
     small = {"name": "self_draft", "layers": 2}  # the target's own layers: its proposals are accepted
 
     def fresh():
-        dec = TreeGraftDecoder(target, target, tok, cfg, small=small, eos_ids=set(), eager_middle_prefill=True)
+        dec = tree_decoder(target, target, tok, cfg, small=small, eos_ids=set(), eager_middle_prefill=True)
         dec._prefill(ids)
         return dec
 

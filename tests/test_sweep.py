@@ -261,7 +261,7 @@ def test_generate_finds_the_newest_policy_fitted_on_its_pair_and_engine(sweep_an
     was fitted on this pair with this engine, the newest of several, and says in one line when none was."""
     import shutil
 
-    from treegraft.decoding.factory import find_artifacts
+    from treegraft.decoding.methods import find_artifacts
     from treegraft.errors import MissingArtifactError
 
     from .test_generate_cli import run_generate

@@ -8,18 +8,19 @@ import torch
 from scipy.stats import chisquare
 
 from treegraft.data import BENCHMARKS, BenchmarkConfig, format_prompt, load_benchmark
-from treegraft.decoding import AutoregressiveDecoder, SamplingConfig, TreeConfig, TreeGraftDecoder
+from treegraft.decoding import SamplingConfig, TreeConfig
 from treegraft.decoding import tree_decoder as tree_decoder_module
 from treegraft.decoding.sampling import target_distribution
 from treegraft.decoding.verify import Acceptance
 from treegraft.model_io import forward_hidden, new_cache
 from treegraft.models import build_tiny_model
+from .conftest import ar_decoder, tree_decoder
 
 PROMPTS = ["hello world", "def f(x):\n    return x + 1\n\ndef g(x):\n    return", "abab abab abab ab", "1 2 3 4"]
 
 
 def ar_tokens(model, prompt_ids, n, eos=frozenset({2})):
-    return AutoregressiveDecoder(model, set(eos)).generate(prompt_ids, n).tokens
+    return ar_decoder(model, set(eos)).generate(prompt_ids, n).tokens
 
 
 @pytest.mark.parametrize("method", ["all_small", "all_mid"])
@@ -30,7 +31,7 @@ def test_greedy_equals_ar_on_tiny_pair(tiny_pair, method, middle_kind, budget):
     middle = target if middle_kind == "same" else tiny_pair.middle
     for text in PROMPTS:
         ids = tok(text).input_ids
-        result = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method=method, budget=budget)).generate(ids, 48)
+        result = tree_decoder(target, middle, tok, TreeConfig.paper(method=method, budget=budget)).generate(ids, 48)
         assert result.tokens == ar_tokens(target, ids, 48), text
         assert all(t["verified_nodes"] <= budget for t in result.turns)
         if budget == 0:
@@ -41,7 +42,7 @@ def test_same_model_middle_accepts_whole_chains(tiny_pair):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok(PROMPTS[0]).input_ids
     cfg = TreeConfig.paper(method="all_mid", budget=600, node_cap=2000)
-    result = TreeGraftDecoder(target, target, tok, cfg).generate(ids, 60)
+    result = tree_decoder(target, target, tok, cfg).generate(ids, 60)
     assert result.tokens == ar_tokens(target, ids, 60)
     accepted = [t["accepted"] for t in result.turns]
     assert sum(a == cfg.depth for a in accepted) >= len(accepted) - 1  # the last turn may be cut short
@@ -53,18 +54,18 @@ def test_stops_at_eos_and_never_past_max_new_tokens(tiny_pair):
     free = ar_tokens(target, ids, 30, eos=())
     stop_id = free[7]
     for method in ("all_small", "all_mid"):
-        dec = TreeGraftDecoder(target, target, tok, TreeConfig.paper(method=method), eos_ids={stop_id})
+        dec = tree_decoder(target, target, tok, TreeConfig.paper(method=method), eos_ids={stop_id})
         out = dec.generate(ids, 30)
         assert out.tokens == free[: free.index(stop_id) + 1] and out.stop_reason == "eos"
         for n in (1, 5, 13):
-            dec = TreeGraftDecoder(target, target, tok, TreeConfig.paper(method=method), eos_ids=set())
+            dec = tree_decoder(target, target, tok, TreeConfig.paper(method=method), eos_ids=set())
             assert dec.generate(ids, n).tokens == free[:n]
 
 
 def test_kv_caches_equal_a_fresh_forward_after_many_turns(tiny_pair):
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok(PROMPTS[1]).input_ids
-    dec = TreeGraftDecoder(target, middle, tok, TreeConfig.paper(method="all_mid", budget=20), eos_ids=set())
+    dec = tree_decoder(target, middle, tok, TreeConfig.paper(method="all_mid", budget=20), eos_ids=set())
     final = {}  # the caches as the last turn left them (generate releases them when it returns)
     out = dec.generate(ids, 40, on_tokens=lambda _: final.update(target=dec.cache, middle=dec.middle.cache,
                                                                  committed=dec.middle.committed,
@@ -91,7 +92,7 @@ def test_kv_caches_equal_a_fresh_forward_after_many_turns(tiny_pair):
 def first_token_samples(target, middle, prompt_ids, n, temperature=1.0):
     samples = []
     for seed in range(n):
-        dec = TreeGraftDecoder(
+        dec = tree_decoder(
             target, middle, None, TreeConfig.paper(method="all_mid", depth=1, top_m=6),  # the first token only needs depth 1
             sampling=SamplingConfig(temperature=temperature, seed=seed), eos_ids=set(),
         )
@@ -152,7 +153,7 @@ def test_sampling_with_top_p_stays_in_the_nucleus(tiny_pair):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok("nucleus").input_ids
     cfg = SamplingConfig(temperature=0.9, top_p=0.5, seed=4)
-    dec = TreeGraftDecoder(target, target, tok, TreeConfig.paper(method="all_mid"), sampling=cfg, eos_ids=set())
+    dec = tree_decoder(target, target, tok, TreeConfig.paper(method="all_mid"), sampling=cfg, eos_ids=set())
     out = dec.generate(ids, 20).tokens
     context = list(ids)
     with torch.no_grad():
@@ -176,7 +177,7 @@ def test_greedy_equals_ar_on_smollm2_self_pair(smollm2_self_pair, benchmark):
     record = load_benchmark(BenchmarkConfig(name=benchmark, num_prompts=1))[0]
     ids = tok(format_prompt(tok, record["turns"][0]), add_special_tokens=False).input_ids[:80]
     eos = {tok.eos_token_id}
-    ref = AutoregressiveDecoder(pair.target, eos).generate(ids, 16).tokens
+    ref = ar_decoder(pair.target, eos).generate(ids, 16).tokens
     for method in ("all_small", "all_mid"):
-        dec = TreeGraftDecoder(pair.target, pair.middle, tok, TreeConfig.paper(method=method, budget=15), eos_ids=eos)
+        dec = tree_decoder(pair.target, pair.middle, tok, TreeConfig.paper(method=method, budget=15), eos_ids=eos)
         assert dec.generate(ids, 16).tokens == ref, method

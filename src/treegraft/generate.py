@@ -78,8 +78,8 @@ def run(cfg: DictConfig) -> int:
     from omegaconf import OmegaConf
 
     from .decoding import SamplingConfig
-    from .decoding.factory import LEARNED_METHODS, TREE_METHODS, find_artifacts, load_learned_scheduler
-    from .llama_cpp.select import engine_decoder, load_engine_pair
+    from .decoding.methods import LEARNED_METHODS, TREE_METHODS, find_artifacts, load_learned_scheduler
+    from .front import decoder_for, engines_of, load_engine_pair
 
     text = read_prompt(cfg)
     if not text.strip():
@@ -96,19 +96,17 @@ def run(cfg: DictConfig) -> int:
 
     scheduler = None
     if method in LEARNED_METHODS:  # method.artifacts=auto: the newest policy fitted on this pair and engine
-        from .llama_cpp.select import engine_info
-
         artifacts = cfg.method.artifacts
         if str(artifacts) == "auto":
-            artifacts = find_artifacts(method, spec.name, engine_info(pair)["engine"], cfg.paths.output_dir)
+            artifacts = find_artifacts(method, spec.name, engines_of(pair).name, cfg.paths.output_dir)
             print(f"[{method}] policy from {artifacts}", file=sys.stderr)
         scheduler = load_learned_scheduler(method, artifacts)
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
     small = OmegaConf.to_container(cfg.small, resolve=True) if cfg.get("small") is not None else None
     if small is not None and small.get("name", "ngram") != "ngram" and method not in TREE_METHODS:
         raise ValueError(f"small={small['name']} chooses a tree method's small drafter; method {method} has none")
-    decoder = engine_decoder(method, pair, tree, sampling, scheduler, cfg.paths.cache_dir,
-                             small=small if method in TREE_METHODS else None)
+    decoder = decoder_for(method, pair, tree, sampling, scheduler, cfg.paths.cache_dir,
+                          small=small if method in TREE_METHODS else None)
     if scheduler is not None:  # the learned policy's runtime context (ms per target / middle forward)
         decoder.warm_up(prompt_ids, 4)
     stream = TextStream(tokenizer) if cfg.stream else None
@@ -133,7 +131,7 @@ def run(cfg: DictConfig) -> int:
 def cli(cfg: DictConfig) -> int:
     """:func:`run` as the command line runs it: a bad input is one line on stderr and exit status 2."""
     from .models import ModelLoadError, TokenizerMismatchError
-    from .llama_cpp import LlamaCppError
+    from .engines.llama_cpp import LlamaCppError
     from .models.runtime import RuntimeUnavailable
 
     try:

@@ -226,3 +226,14 @@ def check_attention(model: nn.Module) -> None:
     if impl.startswith("flash_attention") or impl.startswith("flash"):
         raise ValueError(f"attention implementation {impl!r} cannot run a tree mask (it reads a 4D mask as padding); "
                          "load the model with attn_implementation='sdpa' or 'eager'")
+
+
+def eos_token_ids(model: nn.Module | None, tokenizer=None) -> set[int]:
+    """Every id that ends generation: the generation config's eos ids plus the tokenizer's."""
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for source in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
+        if source is None:
+            continue
+        ids.update([int(source)] if isinstance(source, int) else [int(x) for x in source])
+    return ids

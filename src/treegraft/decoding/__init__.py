@@ -1,6 +1,7 @@
 """Decoders: the target-only baseline (`ar`) and, built on the same pieces, the speculative methods."""
 
-from .autoregressive import AutoregressiveDecoder, GenerationResult, PromptError, eos_token_ids, validate_prompt
+from ..model_io import eos_token_ids
+from .autoregressive import AutoregressiveDecoder, GenerationResult, PromptError, validate_prompt
 from .sampling import SamplingConfig, sample_from_logits, target_distribution
 from .tree_decoder import METHOD_PRESETS, SmallDrafterConfig, TreeConfig, TreeGraftDecoder
 

@@ -6,13 +6,11 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
-from torch import nn
-
-from ..devices import Clock, device_tensor, input_device
+from ..devices import device_tensor
+from ..engines.protocols import TargetEngine
 from .sampling import SamplingConfig, sample_from_logits
 
-__all__ = ["GenerationResult", "AutoregressiveDecoder", "eos_token_ids", "validate_prompt", "PromptError", "hold_eos",
-           "hold_eos_rows"]
+__all__ = ["GenerationResult", "AutoregressiveDecoder", "validate_prompt", "PromptError", "hold_eos", "hold_eos_rows"]
 
 
 class PromptError(ValueError):
@@ -54,17 +52,6 @@ class GenerationResult:
         return out
 
 
-def eos_token_ids(model: nn.Module, tokenizer=None) -> set[int]:
-    """Every id that ends generation: the generation config's eos ids plus the tokenizer's."""
-    ids: set[int] = set()
-    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    for source in (gen_eos, getattr(tokenizer, "eos_token_id", None)):
-        if source is None:
-            continue
-        ids.update([int(source)] if isinstance(source, int) else [int(x) for x in source])
-    return ids
-
-
 def hold_eos(logits: torch.Tensor, eos_ids: set[int], position: int, min_new_tokens: int) -> torch.Tensor:
     """``logits`` [vocab] of the new token at 0-based ``position``, with every EOS id at -inf while
     ``position < min_new_tokens`` (transformers' ``min_new_tokens``: the target's distribution conditioned
@@ -95,18 +82,12 @@ def validate_prompt(prompt_ids: Sequence[int], max_new_tokens: int, context_wind
         )
 
 
-def context_window(model: nn.Module) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
-def prepare_prompt(prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, model: nn.Module | None,
-                   window: int | None = None) -> list[int]:
-    """The prompt as a list of ints, checked against ``model``'s context window, or ``window`` when no
-    model is given (:class:`PromptError`)."""
+def prepare_prompt(prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int, window: int | None) -> list[int]:
+    """The prompt as a list of ints, checked against the engine's context ``window`` (:class:`PromptError`)."""
     if isinstance(prompt_ids, torch.Tensor):
         prompt_ids = prompt_ids.flatten().tolist()
     prompt_ids = [int(t) for t in prompt_ids]
-    validate_prompt(prompt_ids, max_new_tokens, context_window(model) if model is not None else window)
+    validate_prompt(prompt_ids, max_new_tokens, window)
     return prompt_ids
 
 
@@ -132,17 +113,18 @@ def make_generator(sampling: SamplingConfig, device: torch.device) -> torch.Gene
 
 
 class AutoregressiveDecoder:
-    """Greedy or sampled decoding with the target's KV cache, one forward per token.
+    """``ar``: greedy or sampled decoding with the target engine's one-token step, one forward per token
+    (the reference for speed and output equality on every engine).
 
     Usage::
 
-        dec = AutoregressiveDecoder(model, eos_ids={tokenizer.eos_token_id})
+        dec = decoder_for("ar", engines)  # treegraft.front
         result = dec.generate(prompt_ids, max_new_tokens=256)
     """
 
-    def __init__(self, model: nn.Module, eos_ids: set[int] | None = None, sampling: SamplingConfig | None = None):
-        self.model = model
-        self.eos_ids = set(eos_ids) if eos_ids is not None else eos_token_ids(model)
+    def __init__(self, engine: TargetEngine, eos_ids: set[int], sampling: SamplingConfig | None = None):
+        self.engine = engine
+        self.eos_ids = set(eos_ids)
         self.sampling = sampling or SamplingConfig()
 
     @torch.inference_mode()
@@ -150,31 +132,27 @@ class AutoregressiveDecoder:
                  on_tokens: Callable[[list[int]], None] | None = None, min_new_tokens: int = 0) -> GenerationResult:
         """Decode ``prompt_ids``; ``on_tokens(new)``, if given, receives each emitted token as it arrives;
         no EOS among the first ``min_new_tokens`` tokens (:func:`hold_eos`)."""
-        from transformers import DynamicCache
-
-        prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.model)
-        device = input_device(self.model)
-        clock = Clock.of(self.model)
-
+        engine = self.engine
+        prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, engine.context_window())
+        clock = engine.clock
         start = clock.now()
-        cache = DynamicCache(config=self.model.config)
-        input_ids = device_tensor([prompt_ids], device)
-        out = self.model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1)
+        logits = engine.start(prompt_ids)
+        start -= engine.prefill_charge_s  # a shared prompt encoding counts in full (llama.cpp's PromptReuse)
         prefill_time = clock.now() - start
-        # on the logits' device (a model split by accelerate hands them back on its input device)
-        generator = make_generator(self.sampling, out.logits.device)
+        generator = make_generator(self.sampling, engine.head_device)
         tokens: list[int] = []
-        while True:
-            logits = hold_eos(out.logits[0, -1], self.eos_ids, len(tokens), min_new_tokens)
-            token = sample_from_logits(logits, self.sampling, generator)
-            stop_reason = extend_until_stop(tokens, [token], self.eos_ids, max_new_tokens)
-            if on_tokens is not None:
-                on_tokens([token])
-            if stop_reason:
-                break
-            out = self.model(input_ids=device_tensor([[token]], device), cache=cache, use_cache=True)
-        wall = clock.now() - start
-        return GenerationResult(
-            tokens=tokens, prompt_tokens=len(prompt_ids), wall_time_s=wall, prefill_time_s=prefill_time,
-            stop_reason=stop_reason,
-        )
+        try:
+            while True:
+                token = sample_from_logits(hold_eos(logits, self.eos_ids, len(tokens), min_new_tokens), self.sampling,
+                                           generator)
+                stop_reason = extend_until_stop(tokens, [token], self.eos_ids, max_new_tokens)
+                if on_tokens is not None:
+                    on_tokens([token])
+                if stop_reason:
+                    break
+                logits = engine.step(token)
+            wall = clock.now() - start
+        finally:
+            engine.release()
+        return GenerationResult(tokens=tokens, prompt_tokens=len(prompt_ids), wall_time_s=wall,
+                                prefill_time_s=prefill_time, stop_reason=stop_reason)

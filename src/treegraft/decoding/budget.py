@@ -9,7 +9,7 @@ CPU each extra row costs a share of a step. ``budget: auto`` therefore picks, fo
 as EAGLE-2 ranks its tree by confidence):
 
 * ``t_verify(n)`` is the target's measured verification curve (a forward over n tree rows on a real
-  KV cache, :func:`~treegraft.models.runtime.forward_curve`), cached per machine, model and runtime,
+  KV cache, the engine's ``verify_curve``), cached per machine, model and runtime,
   and rescaled online by the ratio of observed verification times to the curve (longer contexts,
   machine drift);
 * ``t_draft`` is the median, over the last ``draft_window`` turns, of everything in a turn but the
@@ -32,55 +32,14 @@ which steps are worth running) uses a *planning* budget, the running mean of the
 
 from __future__ import annotations
 
-import hashlib
 import math
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from torch import nn
-
-from ..atomic import atomic_write_json, read_json
-from ..devices import model_devices
-from ..models.runtime import curve_at, forward_curve, model_runtime, runtime_cache_key
+from ..models.runtime import curve_at
 from ..tree import DraftTree, prune_order
 
-__all__ = ["DEFAULT_SIZES", "CUM_EDGES", "measure_verify_curve", "cached_verify_curve", "AcceptanceModel", "BudgetPlanner"]
-
-DEFAULT_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
-
-
-def measure_verify_curve(model: nn.Module, context: int = 256, max_size: int = 64, sizes=None,
-                         repeats: int = 3) -> dict[int, float]:
-    """Median seconds of a verification forward for each tree size in ``sizes`` (default: up to ``max_size``)."""
-    sizes = [s for s in (sizes or DEFAULT_SIZES) if s <= max_size] or [1]
-    return forward_curve(model, sizes=sizes, context=context, repeats=repeats)
-
-
-def _model_id(model: nn.Module) -> str:
-    config = model.config
-    ident = f"{getattr(config, '_name_or_path', '')}|{config.model_type}|{getattr(config, 'num_hidden_layers', '')}"
-    ident += f"|{getattr(config, 'hidden_size', '')}|{config.vocab_size}"
-    return hashlib.sha256(ident.encode()).hexdigest()[:12] + f" ({getattr(config, '_name_or_path', '') or config.model_type})"
-
-
-def cached_verify_curve(model: nn.Module, cache_dir: str | Path | None, max_size: int = 64,
-                        context: int = 256) -> dict[int, float]:
-    """:func:`measure_verify_curve`, cached in ``<cache_dir>/verify_curves.json`` per machine, model,
-    runtime, context and sizes (None: measured every time)."""
-    sizes = [s for s in DEFAULT_SIZES if s <= max_size + 1] or [1]
-    key = f"{runtime_cache_key(_model_id(model), model_devices(model))} | {model_runtime(model)} | ctx {context} | {sizes}"
-    path = Path(cache_dir) / "verify_curves.json" if cache_dir else None
-    cache = read_json(path, {}) if path else {}
-    if key in cache:
-        return {int(n): float(s) for n, s in cache[key].items()}
-    curve = measure_verify_curve(model, context=context, sizes=sizes, max_size=max(sizes))
-    if path:
-        cache = read_json(path, {})
-        cache[key] = curve
-        atomic_write_json(cache, path)
-    return curve
-
+__all__ = ["CUM_EDGES", "AcceptanceModel", "BudgetPlanner"]
 
 # upper edges of the path-score bins (log-probabilities); the last bin takes everything below
 CUM_EDGES = (0.0, -0.1, -0.25, -0.5, -0.75, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0, -9.0)

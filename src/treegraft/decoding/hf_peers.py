@@ -38,7 +38,7 @@ class _HFGenerate:
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int,
                  on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
         """``on_tokens(new)`` receives the tokens of each step as transformers' streamer interface sees them."""
-        prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.target)
+        prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, getattr(self.target.config, "max_position_embeddings", None))
         device = input_device(self.target)
         clock = Clock.of(self.target, getattr(self, "assistant", None))
         ids = device_tensor([prompt_ids], device)

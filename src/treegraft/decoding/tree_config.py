@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..drafters.ngram import NGramConfig
 from ..tree import MIDDLE, SMALL
 
-__all__ = ["MethodPreset", "METHOD_PRESETS", "TreeConfig", "auto_shape"]
+__all__ = ["MethodPreset", "METHOD_PRESETS", "TreeConfig", "auto_shape", "tree_config_from"]
 
 
 @dataclass(frozen=True)
@@ -149,3 +149,13 @@ def auto_shape(budget: int, max_width: int = 10, max_top_m: int = 10) -> tuple[i
     """
     side = 1 + math.ceil(math.sqrt(max(int(budget), 1)))
     return min(max_width, side), min(max_top_m, side), 2 * int(budget) + side
+
+
+def tree_config_from(method: str, tree: dict | None) -> TreeConfig:
+    """A :class:`TreeConfig` for ``method`` from a plain dict of tree settings (e.g. the Hydra `tree` group);
+    a key that is not a setting (a typo such as ``bugdet``) is an error naming it and the known ones."""
+    known = {f.name for f in fields(TreeConfig)} - {"method"}
+    unknown = sorted(set(tree or {}) - known)
+    if unknown:
+        raise ValueError(f"unknown tree setting {', '.join(map(repr, unknown))}; expected one of {', '.join(sorted(known))}")
+    return TreeConfig(method=method, **(tree or {}))

@@ -2,8 +2,9 @@
 
 Usage (no Hydra needed)::
 
-    from treegraft.decoding import TreeConfig, TreeGraftDecoder
-    decoder = TreeGraftDecoder(target, middle, tokenizer, TreeConfig(method="all_mid"))
+    from treegraft.engines.torch import TorchEngines
+    from treegraft.front import decoder_for
+    decoder = decoder_for("all_mid", TorchEngines(target, middle, tokenizer))
     result = decoder.generate(prompt_ids, max_new_tokens=256)
     result.tokens, result.turns  # new tokens; per-turn records (AL, tree size, time split)
 
@@ -15,8 +16,8 @@ keeps only the accepted entries in every KV cache. Greedy output equals the targ
 decoding; sampled output has the target's distribution. Every turn also records which accepted
 tokens lie on branches only non-destructive grafting kept (:meth:`DraftTree.note_graft`), and a
 generation keeps up to two such turns as traces (``GenerationResult.grafting_examples``). The models
-sit behind the engine seam (:mod:`treegraft.decoding.engine`): this module never touches a model or a
-cache itself.
+sit behind the engine protocols (:mod:`treegraft.engines.protocols`): this module never touches a model or
+a cache itself.
 """
 
 from __future__ import annotations
@@ -28,28 +29,24 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
-from torch import nn
 
 from ..devices import Clock
-from ..drafters.middle import MiddleDrafter
 from ..drafters.ngram import NGramDrafter
-from ..drafters.small import SmallDrafterConfig, neural_small_model, small_config
-from ..drafters.vocab import frequent_tokens
-from ..model_io import head_weight
+from ..drafters.small import SmallDrafterConfig, small_config
+from ..engines.protocols import DraftModel, TargetEngine
 from ..paths import default_cache_dir
 from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
 from ..tree import CREATOR_NAMES, MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_order, prune_to_budget
-from .autoregressive import GenerationResult, eos_token_ids, extend_until_stop, hold_eos_rows, make_generator, prepare_prompt
+from .autoregressive import GenerationResult, extend_until_stop, hold_eos_rows, make_generator, prepare_prompt
 from .backoff import CallGate
 from .budget import BudgetPlanner
 from .builders import BuildState, TurnPlan, builder_for
-from .engine import DraftModel, TargetEngine, TorchTarget
 from .sampling import SamplingConfig
 from .tree_config import METHOD_PRESETS, MethodPreset, TreeConfig, auto_shape
 from .turn_stats import TurnStats
 from .verify import accept_greedy, accept_sampling
 
-__all__ = ["TreeConfig", "TreeGraftDecoder", "MethodPreset", "METHOD_PRESETS", "SmallDrafterConfig", "auto_shape",
+__all__ = ["TreeConfig", "TreeGraftDecoder", "calls_middle", "MethodPreset", "METHOD_PRESETS", "SmallDrafterConfig", "auto_shape",
            "TRACE_CONTEXT", "TRACES_KEPT"]
 
 # verification computes the LM head in one batch for a row and its best-scored descendants while the
@@ -62,13 +59,19 @@ TRACES_KEPT = 2
 TRACE_NEW_CHILDREN = 5
 
 
+def calls_middle(cfg: TreeConfig, scheduler: Scheduler | None) -> bool:
+    """Whether a decoder of ``cfg`` may call the middle drafter: every method but ``all_small`` (a schedule
+    of skips only), and any method a learned policy decides."""
+    return scheduler is not None or cfg.preset.schedule != "small"
+
+
 class TreeGraftDecoder:
     """Tree speculative decoder; see the module docstring."""
 
     def __init__(
         self,
-        target: nn.Module,
-        middle: nn.Module | None,
+        engine: TargetEngine,
+        middle: DraftModel | None = None,
         tokenizer=None,
         cfg: TreeConfig | None = None,
         sampling: SamplingConfig | None = None,
@@ -76,48 +79,33 @@ class TreeGraftDecoder:
         scheduler: Scheduler | None = None,
         cache_dir: str | Path | None = None,
         eager_middle_prefill: bool = False,
-        engine: TargetEngine | None = None,
-        drafter: DraftModel | None = None,
         small: SmallDrafterConfig | dict | None = None,
-        small_model: nn.Module | None = None,
+        small_drafter: DraftModel | None = None,
     ):
-        """``eager_middle_prefill``: encode the prompt into the middle drafter's cache at prefill
-        (schedule enumeration wants every call's cost to be a call's own); by default the drafter
+        """``engine``: the target's engine; ``middle``: the middle drafter's (None where the method never
+        calls it: :func:`calls_middle`); both come from a pair's engines (:func:`treegraft.front.decoder_for`
+        builds them). ``eager_middle_prefill``: encode the prompt into the middle drafter's cache at
+        prefill (schedule enumeration wants every call's cost to be a call's own); by default the drafter
         catches up on the prompt at its first call, so a method or policy that does not call never pays
-        for it and the time to the first turn is the target's prefill alone. ``engine``: the target's
-        engine (default :class:`~treegraft.decoding.engine.TorchTarget` over ``target``); ``drafter``: the
-        middle drafter's (default :class:`~treegraft.drafters.middle.MiddleDrafter` over ``middle``).
-        ``small``: the small drafter (:class:`~treegraft.drafters.small.SmallDrafterConfig` or its dict;
-        None: the n-gram drafter); a neural one runs ``small_model`` if given, else the model its settings
-        name (a self-draft of ``middle``), behind a :class:`~treegraft.drafters.middle.MiddleDrafter` of
-        its own (own KV cache, the same restricted draft vocabulary as the middle drafter's)."""
-        self.target = target
+        for it and the time to the first turn is the target's prefill alone. ``small``: the small
+        drafter's settings (:class:`~treegraft.drafters.small.SmallDrafterConfig` or its dict; None: the
+        n-gram drafter); a neural one runs ``small_drafter`` (own KV cache, the middle drafter's restricted
+        draft vocabulary)."""
         self.tokenizer = tokenizer
         self.cfg = cfg or TreeConfig()
         self.sampling = sampling or SamplingConfig()
-        self.eos_ids = set(eos_ids) if eos_ids is not None else eos_token_ids(target, tokenizer)
+        self.eos_ids = set(eos_ids or ())
         self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        self.engine: TargetEngine = engine or TorchTarget(target, self._frequent)
+        self.engine: TargetEngine = engine
         self.device = self.engine.device
-        # the middle drafter exists only where it may be called (every method but all_small, whose
-        # schedule is all skips; a learned policy may call with any method)
-        may_call = scheduler is not None or self.cfg.preset.schedule != "small"
-        if may_call and scheduler is None and middle is None and drafter is None:
+        may_call = calls_middle(self.cfg, scheduler)
+        if may_call and scheduler is None and middle is None:
             raise ValueError(f"method {self.cfg.method} calls the middle drafter, but none was given")
-        draft_vocab = None
-        if middle is not None and drafter is None and may_call and self.cfg.draft_vocab:
-            draft_vocab = self._frequent(int(self.cfg.draft_vocab), head_weight(middle).shape[0])
-        if drafter is None and middle is not None:
-            drafter = MiddleDrafter(middle, draft_vocab)
-        self.middle: DraftModel | None = drafter if may_call else None
+        self.middle: DraftModel | None = middle if may_call else None
         self.small_cfg = small_config(small)
-        self.small: DraftModel | None = None  # a neural small drafter (None: the n-gram drafter)
-        if self.small_cfg.neural:
-            model = small_model if small_model is not None else neural_small_model(self.small_cfg, middle, tokenizer)
-            vocab = None
-            if self.cfg.draft_vocab:  # the middle drafter's restricted vocabulary, for the same LM-head saving
-                vocab = self._frequent(int(self.cfg.draft_vocab), head_weight(model).shape[0])
-            self.small = MiddleDrafter(model, vocab)
+        if self.small_cfg.neural and small_drafter is None:
+            raise ValueError(f"small drafter {self.small_cfg.name} needs its drafter engine (small_drafter)")
+        self.small: DraftModel | None = small_drafter if self.small_cfg.neural else None  # None: the n-gram drafter
         # the one clock of every timed region: it waits for the target's and the drafters' devices
         self.clock = Clock([*self.engine.clock.devices, *(self.middle.clock.devices if self.middle is not None else ()),
                             *(self.small.clock.devices if self.small is not None else ())])
@@ -142,13 +130,6 @@ class TreeGraftDecoder:
         self._trace: dict | None = None  # the last turn's grafting trace (ids), where it accepted a kept branch
 
     # ------------------------------------------------------------------ setup
-    def _frequent(self, k: int, vocab_size: int) -> torch.Tensor:
-        """The ``k`` most frequent token ids (:func:`~treegraft.drafters.vocab.frequent_tokens`; by id
-        without a tokenizer)."""
-        if self.tokenizer is None:
-            return torch.arange(min(k, vocab_size), device="cpu")
-        return frequent_tokens(self.tokenizer, k, vocab_size, self.cache_dir)
-
     @property
     def cache(self):
         """The target's KV cache (the PyTorch engine's)."""
@@ -515,7 +496,7 @@ class TreeGraftDecoder:
         (streaming). ``min_new_tokens``: no EOS among the first this many tokens, as transformers'
         option of that name (the verification holds EOS back in the target's own logits, so the output
         is still exactly the target's decoding under that rule)."""
-        prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, None, self.engine.context_window())
+        prompt_ids = prepare_prompt(prompt_ids, max_new_tokens, self.engine.context_window())
         self.budget()
         if self.gate is not None:  # the gate prices a plain step from the verification curve
             self.gate.reset(self._catch_up_estimate_s(len(prompt_ids)), max_new_tokens * self._planner().verify_s(0))

@@ -1,7 +1,7 @@
-"""Drafters: the small drafters (the n-gram lookup drafter, or a neural one) and the neural middle drafter."""
+"""Drafters: the small drafters (the n-gram lookup drafter, or a neural one's settings) and the draft
+vocabularies; the middle drafter's engines live in :mod:`treegraft.engines`."""
 
-from .middle import MiddleDrafter
 from .ngram import NGramConfig, NGramDrafter
 from .small import SmallDrafterConfig
 
-__all__ = ["MiddleDrafter", "NGramConfig", "NGramDrafter", "SmallDrafterConfig"]
+__all__ = ["NGramConfig", "NGramDrafter", "SmallDrafterConfig"]

@@ -79,7 +79,7 @@ class LoadedPair:
     tokenizer: Any
     runtime: str = "float32"
     middle_runtime: str = "float32"
-    engine: dict | None = None  # set by treegraft.llama_cpp.select.load_engine_pair (engine=auto's choice)
+    engine: dict | None = None  # set by treegraft.front.load_engine_pair (engine=auto's choice)
 
 
 def load_model(

@@ -107,7 +107,7 @@ def model_config(source: str, models_dir=None):
     built config), or the published shape of a paper hub model when the config cannot be read."""
     from transformers import AutoConfig
 
-    from .loading import resolve_source
+    from .sources import resolve_source
     from .tiny import TINY_PREFIX, build_tiny_model
 
     if source.startswith(TINY_PREFIX):

@@ -384,7 +384,7 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     import torch
     from tqdm.auto import tqdm
 
-    from ..llama_cpp.select import engine_workers
+    from ..front import engines_of
     from .common import pair_spec, stage_prompts
     from .parallel import gpu_worker_groups, spawn_pull
     from .shards import Shard
@@ -409,7 +409,7 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
     if len(todo) < len(jobs):  # finished before an interruption
         console.print(f"{pair_name}: {len(jobs) - len(todo)} prompt(s) already collected, skipped")
     weights = [len(ids) + 4 * int(pp.max_new_tokens) for _, _, ids in todo]
-    workers = min(len(groups) if on_gpus else engine_workers(pair, p.workers), max(1, len(todo)))
+    workers = min(len(groups) if on_gpus else engines_of(pair).workers(p.workers), max(1, len(todo)))
     bar = None if progress is not None else tqdm(total=len(todo), desc=f"collect {pair_name} ({workers} worker(s))",
                                                  file=sys.stderr)
     if on_gpus:
@@ -425,7 +425,7 @@ def _collect_pair(cfg, pair_name: str, collect_dir: Path, console, progress=None
 def _collect_setup(cfg, pair_name: str, collect_dir: Path, console):
     """The pair, its `fixed` decoder (eager middle prefill), and its runtime context measured and written
     to ``runtime.json``."""
-    from ..llama_cpp.select import engine_decoder, engine_info, load_engine_pair
+    from ..front import decoder_for, engines_of, load_engine_pair
     from .common import pair_spec, stage_prompts
 
     p, pp = cfg.pipeline, pair_settings(cfg.pipeline, pair_name)
@@ -434,7 +434,7 @@ def _collect_setup(cfg, pair_name: str, collect_dir: Path, console):
         tree["schedule"] = [int(a) for a in p.collect_schedule]
     pair = load_engine_pair(pair_spec(pair_name), cfg, log=console.print, device=p.device, dtype=p.dtype)
     small = OmegaConf.to_container(cfg.small, resolve=True) if cfg.get("small") else None  # small=: the small drafter
-    decoder = engine_decoder("fixed", pair, tree, cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True, small=small)
+    decoder = decoder_for("fixed", pair, tree, cache_dir=cfg.paths.cache_dir, eager_middle_prefill=True, small=small)
     budget = decoder.budget()
     first = p.fit_benchmarks[0]
     warm_ids = stage_prompts(cfg, pair.tokenizer, first, int(pp.prompts_per_benchmark), int(p.prompt_offset))[0][1]
@@ -443,7 +443,7 @@ def _collect_setup(cfg, pair_name: str, collect_dir: Path, console):
     # the report's figure, and budget=auto's (the same measurement, cached once)
     curve = decoder.engine.verify_curve(cfg.paths.cache_dir, decoder.cfg.auto_max_budget)
     atomic_write_json({"pair": pair_name, "runtime": pair.runtime, "middle_runtime": pair.middle_runtime,
-                       **engine_info(pair), **machine_info(devices_of(pair.target, pair.middle)), "budget": budget,
+                       **engines_of(pair).info(), **machine_info(devices_of(pair.target, pair.middle)), "budget": budget,
                        "budget_setting": str(cfg.tree.budget), "tree_shape": cfg.tree.shape,
                        "collect_schedule": list(decoder.cfg.schedule),
                        "t_tgt_ms": t_tgt, "t_mid_ms": t_mid, "context_samples": decoder.context_samples,

@@ -93,7 +93,7 @@ def fold_intervals(df: pd.DataFrame, floats: str = "{:.2f}") -> pd.DataFrame:
 def input_errors() -> tuple[type[BaseException], ...]:
     """The errors a bad input raises (missing model or artifact, tokenizer mismatch, unavailable runtime,
     a llama.cpp load failure, a bad value): the entry points report them as one line, exit status 2."""
-    from ..llama_cpp import LlamaCppError
+    from ..engines.llama_cpp import LlamaCppError
     from ..models import ModelLoadError, TokenizerMismatchError
     from ..models.runtime import RuntimeUnavailable
 

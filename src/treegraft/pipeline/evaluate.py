@@ -20,6 +20,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pandas as pd
@@ -29,9 +30,9 @@ from rich.console import Console
 from tqdm.auto import tqdm
 
 from .equality import compare_outputs
-from ..decoding.factory import (LEARNED_ARTIFACTS, LEARNED_METHODS, load_learned_scheduler, method_small, parse_method,
+from ..decoding.methods import (LEARNED_ARTIFACTS, LEARNED_METHODS, load_learned_scheduler, method_small, parse_method,
                                 small_settings)
-from ..llama_cpp.select import engine_decoder, engine_info, engine_workers, load_engine_pair
+from ..front import EngineSettings, decoder_for, engines_of, load_engine_pair
 from ..decoding.sampling import SamplingConfig
 from ..decoding.tree_decoder import TreeGraftDecoder
 from ..devices import devices_of, peak_memory, reset_peak_memory
@@ -136,11 +137,9 @@ def run_key(cfg: DictConfig, pair: str, method: str, artifacts: Path) -> str:
              "runtime": cfg.runtime, "middle_runtime": cfg.middle_runtime, "cpu": machine_line([cfg.pipeline.device]),
              "device": cfg.pipeline.device, "warmup_tokens": cfg.pipeline.warmup_tokens,
              "warmup_repeats": cfg.pipeline.warmup_repeats}
-    from ..llama_cpp.select import engine_settings
-
-    engine = engine_settings(cfg)
+    engine = asdict(EngineSettings.of(cfg))
     if engine["name"] != "torch":  # (absent for the PyTorch engine: its records of earlier runs stay valid)
-        from ..llama_cpp.build import installed_build
+        from ..engines.llama_cpp.build import installed_build
 
         parts["engine"] = {**engine, "build": (installed_build() or {}).get("patch_id")}
     small = small_for(cfg, method)
@@ -219,16 +218,16 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], pulle
     prompt's generations)."""
     p, e = cfg.pipeline, cfg.evaluation
     tree = OmegaConf.to_container(cfg.tree, resolve=True)
-    context = {"runtime": pair.runtime, "middle_runtime": pair.middle_runtime, **engine_info(pair),
+    context = {"runtime": pair.runtime, "middle_runtime": pair.middle_runtime, **engines_of(pair).info(),
                "tree_shape": cfg.tree.shape, "budget_setting": str(cfg.tree.budget),
                # bfloat16_packed: products wider than this many rows ran on oneDNN's copy (None: one kernel)
                "bf16_onednn_above": getattr(pair.target, "treegraft_bf16_max_rows", None),
                **machine_info(devices_of(pair.target, pair.middle))}
     target_fp32 = pair.target if pair.runtime in ("float32", "float32_packed") else None
-    on_llama = engine_info(pair)["engine"] == "llama_cpp"
+    on_llama = engines_of(pair).name == "llama_cpp"
     reuses = []
     if on_llama and e.get("share_prefill", True):  # one encoding of each prompt per model, charged to every method
-        from ..llama_cpp.engine import PromptReuse
+        from ..engines.llama_cpp import PromptReuse
 
         for model in [pair.target] + [pair.middle] * (pair.middle is not None and pair.middle is not pair.target):
             model.prompt_reuse = PromptReuse()
@@ -242,7 +241,7 @@ def _evaluate_benchmarks(cfg, pair, pair_name: str, benchmarks: list[str], pulle
     for method in sorted(todo, key=lambda m: "@" in m):  # every warm-up before any timing; variants after their base
         base, scales = parse_method(method)
         small = small_for(cfg, method)
-        dec = engine_decoder(base, pair, tree, sampling, schedulers.get(base), cfg.paths.cache_dir, small=small)
+        dec = decoder_for(base, pair, tree, sampling, schedulers.get(base), cfg.paths.cache_dir, small=small)
         if isinstance(dec, TreeGraftDecoder) and dec.middle is not None:
             if scales and base in decoders:  # a sensitivity variant: its base's calibrated context, rescaled
                 dec.generate(warm_ids, int(p.warmup_tokens))
@@ -424,7 +423,7 @@ def _evaluate_prompts(cfg: DictConfig, progress=None) -> None:
             workers = len(groups)
         else:
             pair = load_engine_pair(spec, cfg, log=console.print, device=p.device, dtype=p.dtype)
-            workers = min(engine_workers(pair, p.workers), len(todo_benches))
+            workers = min(engines_of(pair).workers(p.workers), len(todo_benches))
         bar = None
         if progress is None:
             bar = tqdm(total=sum(units.values()), desc=f"evaluate {pair_name} ({workers} worker(s))", file=sys.stderr)

@@ -223,7 +223,7 @@ def small_drafter_table(summary: pd.DataFrame, *, prompts: PromptTable) -> pd.Da
     """Table 9: per pair, every tree method evaluated with a neural small drafter (``fixed@self_draft``) beside
     the same method with the n-gram one (``fixed``), on the same prompts: speedup, AL, the small drafter's share
     of turn time, and on each neural row the n-gram's gain over it (% , paired CI)."""
-    from ..decoding.factory import method_small
+    from ..decoding.methods import method_small
 
     rows = []
     for pair in dict.fromkeys(summary["pair"]):

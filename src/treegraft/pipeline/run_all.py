@@ -156,9 +156,9 @@ def run_all(cfgs: dict[str, DictConfig]) -> dict[str, float]:
 
 def auto_experiment(cfg: DictConfig, log=print) -> tuple[str, dict]:
     """``experiment=auto``: ``cpu`` or ``cpu_llama``, whichever engine's one-token step of the main pair
-    is faster on this machine (:func:`treegraft.llama_cpp.select.choose_engine`; ``cfg`` is the composed
+    is faster on this machine (:func:`treegraft.front.choose_engine`; ``cfg`` is the composed
     `collect` config of ``experiment=cpu``). Returns the experiment and the measured choice."""
-    from ..llama_cpp.select import choose_engine
+    from ..front import choose_engine
 
     choice = choose_engine(pair_spec(cfg.pipeline.pairs[0]), cfg, str(cfg.pipeline.device), cfg.pipeline.dtype, log)
     return AUTO_EXPERIMENTS[choice["engine"]], choice

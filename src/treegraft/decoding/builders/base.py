@@ -8,7 +8,7 @@ from typing import Callable
 
 from ...devices import Clock
 from ...drafters.ngram import NGramDrafter
-from ...drafters.middle import argmax_scores, topk
+from ...engines.logprobs import argmax_scores, topk
 from ...tree import COPY_CHAIN, MIDDLE, SMALL, DraftTree
 from ..tree_config import TreeConfig
 from ..turn_stats import TurnStats

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ...drafters.middle import argmax_scores
+from ...engines.logprobs import argmax_scores
 from ...tree import MIDDLE, DraftTree
 from ..turn_stats import TurnStats
 from .base import BuildState, TreeBuilder, TurnPlan

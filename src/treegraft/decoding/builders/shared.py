@@ -16,7 +16,7 @@ forward of the middle drafter over every node of its scope it has not encoded ye
 
 from __future__ import annotations
 
-from ...drafters.middle import scores, topk
+from ...engines.logprobs import scores, topk
 from ...tree import MIDDLE, DraftTree, prune_order
 from ..turn_stats import TurnStats
 from .base import BuildState, TreeBuilder

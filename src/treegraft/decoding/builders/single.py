@@ -6,7 +6,7 @@ its drafter's top m tokens as children with ``cum = cum(parent) + log q(token)``
 
 from __future__ import annotations
 
-from ...drafters.middle import topk
+from ...engines.logprobs import topk
 from ...tree import MIDDLE, DraftTree
 from ..turn_stats import TurnStats
 from .base import BuildState, TreeBuilder

@@ -1,21 +1,17 @@
-"""One place that turns a method name into a decoder, for the CLI, the benchmarks and the stages."""
+"""The methods there are, their variants (``fixed@self_draft``, ``treegraft@t_mid_x1.25``), and the learned
+methods' policies: where they were fitted (:func:`find_artifacts`) and how they load. Building a decoder
+for a method is :func:`treegraft.front.decoder_for`."""
 
 from __future__ import annotations
 
-from dataclasses import fields
 from pathlib import Path
 
-from ..drafters.small import SmallDrafterConfig, neural_small_model, small_config
-from ..models import LoadedPair
+from ..drafters.small import small_config
 from ..paths import CONF_DIR
-from .autoregressive import AutoregressiveDecoder, eos_token_ids
-from .hf_peers import HFAssistedDecoder, HFPromptLookupDecoder
-from .sampling import SamplingConfig
-from .tree_decoder import METHOD_PRESETS, TreeConfig, TreeGraftDecoder
+from .tree_config import METHOD_PRESETS
 
-__all__ = ["METHODS", "LEARNED_METHODS", "LEARNED_ARTIFACTS", "TREE_METHODS", "build_decoder", "decoder_for",
-           "tree_config_from", "load_learned_scheduler", "find_artifacts", "parse_method", "method_small", "small_settings",
-           "small_names"]
+__all__ = ["METHODS", "LEARNED_METHODS", "LEARNED_ARTIFACTS", "TREE_METHODS", "load_learned_scheduler", "find_artifacts",
+           "parse_method", "method_small", "small_settings", "small_names"]
 
 # learned policies on the shared tree: the distilled scheduler and the value system itself
 # the files each learned method's policy is loaded from, relative to an experiment's artifacts folder
@@ -36,7 +32,7 @@ def small_names() -> list[str]:
 
 
 def small_settings(name: str) -> dict:
-    """The settings dict of ``conf/small/<name>.yaml`` (for ``decoder_for(small=...)``); an unknown name is
+    """The settings dict of ``conf/small/<name>.yaml`` (for ``treegraft.front.decoder_for(small=...)``); an unknown name is
     an error naming the known ones."""
     from omegaconf import OmegaConf
 
@@ -92,16 +88,6 @@ def method_small(method: str) -> str | None:
     """The small drafter a method variant names (``"fixed@self_draft"`` -> ``"self_draft"``), None where it
     names none (``"fixed"``, ``"treegraft@t_mid_x1.25"``: the configured small drafter)."""
     return _variant_parts(method)[2]
-
-
-def tree_config_from(method: str, tree: dict | None) -> TreeConfig:
-    """A :class:`TreeConfig` for ``method`` from a plain dict of tree settings (e.g. the Hydra `tree` group);
-    a key that is not a setting (a typo such as ``bugdet``) is an error naming it and the known ones."""
-    known = {f.name for f in fields(TreeConfig)} - {"method"}
-    unknown = sorted(set(tree or {}) - known)
-    if unknown:
-        raise ValueError(f"unknown tree setting {', '.join(map(repr, unknown))}; expected one of {', '.join(sorted(known))}")
-    return TreeConfig(method=method, **(tree or {}))
 
 
 def find_artifacts(method: str, pair: str, engine: str, output_dir: str | Path) -> Path:
@@ -160,58 +146,3 @@ def load_learned_scheduler(method: str, artifacts_dir: str | Path, threshold: fl
     if not weights.exists():
         raise MissingArtifactError(f"missing {weights}: run `make collect fit` first")
     return DirectPlanner(ValueSystem.load(weights.parent))
-
-
-def build_decoder(method: str, pair: LoadedPair, tree: dict | None = None, sampling: SamplingConfig | None = None,
-                  scheduler=None, cache_dir: str | Path | None = None, eager_middle_prefill: bool = False,
-                  small: dict | SmallDrafterConfig | None = None):
-    """A decoder with ``.generate(prompt_ids, max_new_tokens) -> GenerationResult`` for ``method`` on a
-    loaded pair (:func:`decoder_for` with the pair's models and tokenizer; a small drafter ``model`` is
-    loaded in the middle drafter's runtime)."""
-    small_cfg = small_config(small)
-    small_model = None
-    if small_cfg.name == "model" and method in TREE_METHODS:
-        small_model = neural_small_model(small_cfg, pair.middle, pair.tokenizer, runtime=pair.middle_runtime)
-    return decoder_for(method, pair.target, pair.middle, pair.tokenizer, tree, sampling, scheduler, cache_dir=cache_dir,
-                       eager_middle_prefill=eager_middle_prefill, small=small_cfg, small_model=small_model)
-
-
-def decoder_for(method: str, target, middle, tokenizer=None, tree: dict | None = None,
-                sampling: SamplingConfig | None = None, scheduler=None, eos_ids: set[int] | None = None,
-                cache_dir: str | Path | None = None, eager_middle_prefill: bool = False,
-                small: dict | SmallDrafterConfig | None = None, small_model=None):
-    """The one method dispatch: a decoder for ``method`` over ``target`` and ``middle`` (None where the
-    method never calls one).
-
-    ``treegraft`` / ``direct_planner`` need ``scheduler`` (see :func:`load_learned_scheduler`); they
-    run the shared tree with that policy deciding every step. ``eos_ids``: the ids that end generation
-    (default: the target's and the tokenizer's). ``cache_dir``: where ``budget=auto`` caches the
-    verification curve (default: :func:`treegraft.paths.default_cache_dir`). ``eager_middle_prefill``: the
-    tree decoders encode the prompt into the middle drafter at prefill (schedule enumeration wants it).
-    ``small``: the tree methods' small drafter, a settings dict (:func:`small_settings`, the Hydra ``small``
-    node) or :class:`~treegraft.drafters.small.SmallDrafterConfig`; None or ``ngram``: the n-gram drafter.
-    Methods without a small drafter (``ar``, the HF peers) ignore it, so one configured ``small`` serves a
-    whole method list. ``small_model``: a neural small drafter's model, already loaded (default: built
-    from ``small``). A method variant (``fixed@self_draft``) is not a method here: split it with
-    :func:`parse_method` / :func:`method_small` and pass ``small_settings(method_small(m))``.
-    """
-    sampling = sampling or SamplingConfig()
-    small_cfg = small_config(small)  # checked for every method: a bad setting is an error even where unused
-    eos = eos_token_ids(target, tokenizer) if eos_ids is None else set(eos_ids)
-    if method == "ar":
-        return AutoregressiveDecoder(target, eos, sampling)
-    if method in LEARNED_METHODS:
-        if scheduler is None:
-            raise ValueError(f"method {method} needs its learned scheduler (load_learned_scheduler)")
-        return TreeGraftDecoder(target, middle, tokenizer, tree_config_from("fixed", tree), sampling, eos,
-                                scheduler=scheduler, cache_dir=cache_dir, eager_middle_prefill=eager_middle_prefill,
-                                small=small_cfg, small_model=small_model)
-    if method in METHOD_PRESETS:
-        return TreeGraftDecoder(target, middle, tokenizer, tree_config_from(method, tree), sampling, eos,
-                                cache_dir=cache_dir, eager_middle_prefill=eager_middle_prefill, small=small_cfg,
-                                small_model=small_model)
-    if method == "hf_assisted":
-        return HFAssistedDecoder(target, middle, eos, sampling)
-    if method == "hf_prompt_lookup":
-        return HFPromptLookupDecoder(target, eos, sampling)
-    raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")

@@ -12,10 +12,9 @@ import hashlib
 import statistics
 from pathlib import Path
 
-from ..atomic import atomic_write_json, read_json
-from ..decoding.budget import DEFAULT_SIZES
-from ..machine import cpu_line
-from .engine import GGUFModel
+from ...machine import cpu_line
+from ..curves import cached_curve
+from .model import GGUFModel
 
 __all__ = ["engine_curve", "cached_engine_curve", "model_key"]
 
@@ -60,16 +59,6 @@ def engine_curve(model: GGUFModel, sizes=(1, 2, 4, 8, 16), context: int = 256, r
 
 def cached_engine_curve(model: GGUFModel, cache_dir: str | Path | None, max_size: int = 64,
                         context: int = 256) -> dict[int, float]:
-    """:func:`engine_curve` up to ``max_size + 1`` rows, cached in ``<cache_dir>/verify_curves.json``."""
-    sizes = [s for s in DEFAULT_SIZES if s <= max_size + 1] or [1]
-    key = f"{model_key(model)} | ctx {context} | {sizes}"
-    path = Path(cache_dir) / "verify_curves.json" if cache_dir else None
-    cache = read_json(path, {}) if path else {}
-    if key in cache:
-        return {int(n): float(s) for n, s in cache[key].items()}
-    curve = engine_curve(model, sizes=sizes, context=context)
-    if path:
-        cache = read_json(path, {})
-        cache[key] = curve
-        atomic_write_json(cache, path)
-    return curve
+    """:func:`engine_curve` up to ``max_size + 1`` rows, cached (:func:`~treegraft.engines.curves.cached_curve`)."""
+    return cached_curve(model_key(model), lambda sizes: engine_curve(model, sizes=sizes, context=context), cache_dir,
+                        max_size, context)

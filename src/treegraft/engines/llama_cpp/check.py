@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..tree import DraftTree, build_tree_inputs
-from .engine import GGUFModel, LlamaCppTarget
+from ...tree import DraftTree, build_tree_inputs
+from .model import GGUFModel
+from .target import LlamaCppTarget
 
 __all__ = ["InvarianceResult", "batch_invariance", "one_token_logits", "ar_logits"]
 

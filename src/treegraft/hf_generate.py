@@ -25,9 +25,11 @@ import copy
 import torch
 from torch import nn
 
-from .factory import LEARNED_METHODS, decoder_for, load_learned_scheduler, tree_config_from
-from .sampling import SamplingConfig
-from .tree_decoder import METHOD_PRESETS
+from .decoding.methods import LEARNED_METHODS, load_learned_scheduler
+from .decoding.sampling import SamplingConfig
+from .decoding.tree_config import METHOD_PRESETS, tree_config_from
+from .engines.torch import TorchEngines
+from .front import decoder_for
 
 __all__ = ["treegraft_generate", "TreeGraftGenerateError"]
 
@@ -128,7 +130,7 @@ def treegraft_generate(model: nn.Module, inputs: torch.Tensor | None = None, *, 
         method in METHOD_PRESETS and tree_config_from(method, tree).preset.schedule != "small")
     if middle is None and calls:
         raise TreeGraftGenerateError(f"method {method} calls a middle drafter: pass assistant_model= or self_draft_layers=")
-    decoder = decoder_for(method, model, middle, None, tree, sampling, scheduler, eos_ids)
+    decoder = decoder_for(method, TorchEngines(model, middle), tree, sampling, scheduler, eos_ids=eos_ids)
     if scheduler is not None:
         decoder.warm_up(prompt, 4)  # the learned policy's runtime context
 
