@@ -42,7 +42,7 @@ import hydra
 import pandas as pd
 import torch
 from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 from tqdm.auto import tqdm
@@ -64,6 +64,7 @@ from treegraft.models import load_model, load_pair_from_settings, load_tokenizer
 from treegraft.pipeline.parallel import fork_pull, one_thread_if_forking
 from treegraft.models.runtime import RUNTIMES, RuntimeUnavailable, forward_curve, runtime_unavailable
 from treegraft.scheduling import FixedScheduler
+from treegraft.settings import RunSettings, tree_variant
 
 
 def load_prompts(cfg: DictConfig, tokenizer) -> list[tuple[str, int, list[int]]]:
@@ -132,10 +133,7 @@ def method_overrides(method: str) -> tuple[list[str], dict[str, str]]:
 def variant_tree(tree: dict, method: str) -> dict:
     """The tree settings of ``method``, or of ``"<method>:key=value,key=value"`` (dotted keys, YAML values)."""
     overrides, _ = method_overrides(method)
-    if not overrides:
-        return tree
-    merged = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(overrides))
-    return OmegaConf.to_container(merged, resolve=True)
+    return tree_variant(tree, overrides) if overrides else tree
 
 
 def summarize(method: str, results: list, ar_results: list | None, reports: list, prompts) -> dict:
@@ -280,6 +278,7 @@ def run(cfg: DictConfig) -> None:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"CPU: {cpu_line()}")
+    settings = RunSettings.of(cfg)  # a bad tree setting: one line, before any model is loaded
     methods = ["ar"] + [m for m in cfg.methods if m != "ar"]
     schedulers = {m: scheduler_for(m, cfg) for m in methods}  # a missing artifact fails before the models load
     if cfg.runtimes:  # first, one target at a time, before the pair takes its memory
@@ -287,7 +286,7 @@ def run(cfg: DictConfig) -> None:
         if cfg.runtimes_only:
             return
     pair = load_pair_from_settings(instantiate(cfg.pair), cfg, log=console.print)
-    tree = OmegaConf.to_container(cfg.tree, resolve=True)
+    tree = settings.tree
     prompts = load_prompts(cfg, pair.tokenizer)
     console.print(f"{len(prompts)} prompts x {cfg.max_new_tokens} new tokens, runtime {pair.runtime} "
                   f"(middle drafter {pair.middle_runtime}), "

@@ -11,6 +11,7 @@ from treegraft.data import BenchmarkConfig
 from treegraft.decoding.methods import METHODS
 from treegraft.decoding.tree_config import tree_config_from
 from treegraft.models import PairSpec
+from treegraft.settings import RunSettings
 
 from .conftest import compose
 
@@ -60,6 +61,13 @@ def test_group_option_composes_and_instantiates(group, option):
     if group == "tree":
         tree = tree_config_from("all_small", resolved)
         assert tree.depth >= 1 and tree.ngram.max_n >= 1
+    if group in ("tree", "small", "engine"):  # the one reader of these groups takes every option
+        settings = RunSettings.of(cfg)
+        assert settings.tree_config("all_small") == tree_config_from("all_small", OmegaConf.to_container(cfg.tree, resolve=True))
+        if group == "small":
+            assert settings.small == resolved
+        if group == "engine":
+            assert settings.engine.name == option
     if group == "placement":
         from treegraft.models.loading import placement_from
 

@@ -75,15 +75,15 @@ def run(cfg: DictConfig) -> int:
     hf_logging.set_verbosity_error()
 
     from .data import format_prompt
-    from omegaconf import OmegaConf
-
     from .decoding import SamplingConfig
     from .decoding.methods import LEARNED_METHODS, TREE_METHODS, find_artifacts, load_learned_scheduler
     from .front import decoder_for, engines_of, load_engine_pair
+    from .settings import RunSettings
 
     text = read_prompt(cfg)
     if not text.strip():
         raise ValueError("empty prompt: give a non-empty prompt or prompt_file")
+    settings = RunSettings.of(cfg)  # a bad tree or small drafter setting: one line, before any model loads
     spec = instantiate(cfg.pair)
     method = cfg.method.name
     pair = load_engine_pair(spec, cfg, log=lambda line: print(line, file=sys.stderr))
@@ -101,11 +101,10 @@ def run(cfg: DictConfig) -> int:
             artifacts = find_artifacts(method, spec.name, engines_of(pair).name, cfg.paths.output_dir)
             print(f"[{method}] policy from {artifacts}", file=sys.stderr)
         scheduler = load_learned_scheduler(method, artifacts)
-    tree = OmegaConf.to_container(cfg.tree, resolve=True)
-    small = OmegaConf.to_container(cfg.small, resolve=True) if cfg.get("small") is not None else None
+    small = settings.small
     if small is not None and small.get("name", "ngram") != "ngram" and method not in TREE_METHODS:
         raise ValueError(f"small={small['name']} chooses a tree method's small drafter; method {method} has none")
-    decoder = decoder_for(method, pair, tree, sampling, scheduler, cfg.paths.cache_dir,
+    decoder = decoder_for(method, pair, settings.tree, sampling, scheduler, cfg.paths.cache_dir,
                           small=small if method in TREE_METHODS else None)
     if scheduler is not None:  # the learned policy's runtime context (ms per target / middle forward)
         decoder.warm_up(prompt_ids, 4)

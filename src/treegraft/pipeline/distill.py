@@ -27,8 +27,9 @@ from ..scheduling.offline import TURN_KEYS, best_fixed_by_middle_cost, best_fixe
 from ..scheduling.policy import StepState
 from ..scheduling.signals import SIGNAL_NAMES
 from ..scheduling.value import ValueSystem, fit_value_system, grouped_folds
+from ..settings import RunSettings
 from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_text, record_stage, require, stage_dir, up_to_date
-from .collect import load_rows, merge_collect, row_files
+from .collected import load_rows, merge_collect, row_files
 from .common import fit_pairs, print_table, to_markdown
 from .estimates import offline_prompt_intervals
 from .fit import mlp_config
@@ -148,14 +149,15 @@ def time_decisions(policy, states: list[StepState], repeats: int) -> float:
 
 def run_distill(cfg: DictConfig) -> dict:
     console = Console(width=200, stderr=True)
+    settings = RunSettings.of(cfg)
     p, s = cfg.pipeline, cfg.scheduler
-    depth = int(cfg.tree.depth)
+    depth = settings.depth
     collect_dir = require(stage_dir(cfg.paths.output_dir, p.name, "collect"), "collect", p.name)
     fit_dir = stage_dir(cfg.paths.output_dir, p.name, "fit")
     require(fit_dir / "value_heads.pt", "fit", p.name)
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "distill")
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    merge_collect(cfg, collect_dir, console)  # whatever collect shards exist; says which prompts are missing
+    merge_collect(cfg, collect_dir, console, settings)  # whatever collect shards exist; says which prompts are missing
     inputs = [*row_files(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.latency_label),
               fit_dir / "value_heads.pt", fit_dir / "value_heads.meta.json"]
     if not cfg.get("force") and up_to_date(out_dir, config_yaml, inputs, ["scheduler.pt", "distill.json"]):

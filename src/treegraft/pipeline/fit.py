@@ -16,8 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from ..scheduling.value import MLPConfig, fit_value_system, oof_summary, select_signals
+from ..settings import RunSettings
 from .artifacts import atomic_write_json, atomic_write_text, record_stage, require, stage_dir, up_to_date
-from .collect import load_rows, merge_collect, row_files
+from .collected import load_rows, merge_collect, row_files
 from .common import fit_pairs, print_table, to_markdown
 from .tracking import stage_logger
 from ..devices import now
@@ -45,18 +46,19 @@ def subsample_turns(rows: pd.DataFrame, max_rows: int | None, seed: int = 0) -> 
 
 def run_fit(cfg: DictConfig) -> dict:
     console = Console(width=200, stderr=True)
+    settings = RunSettings.of(cfg)
     p, s = cfg.pipeline, cfg.scheduler
     collect_dir = require(stage_dir(cfg.paths.output_dir, p.name, "collect"), "collect", p.name)
     out_dir = stage_dir(cfg.paths.output_dir, p.name, "fit")
     config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
-    merge_collect(cfg, collect_dir, console)  # whatever collect shards exist; says which prompts are missing
+    merge_collect(cfg, collect_dir, console, settings)  # whatever collect shards exist; says which prompts are missing
     inputs = row_files(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.latency_label)
     if not cfg.get("force") and up_to_date(out_dir, config_yaml, inputs, ["value_heads.pt", "selection.json"]):
         console.print(f"fit: {out_dir} is up to date with its config and inputs (force=true to redo)")
         return json.loads((out_dir / "selection.json").read_text())
     start = now()
     rows = load_rows(collect_dir, fit_pairs(cfg), list(p.fit_benchmarks), p.name, p.latency_label, allow_missing=True)
-    depth = int(cfg.tree.depth)
+    depth = settings.depth
     console.print(f"fit on {len(rows)} rows, {rows['report'].nunique()} reports, latency label: {p.latency_label}")
     sel_rows = subsample_turns(rows, s.get("selection_max_rows"), int(s.value_mlp.seed))
     if len(sel_rows) < len(rows):
