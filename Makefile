@@ -81,12 +81,12 @@ $(VENV)/.kernels: $(VENV)/.deps $(KERNEL_SOURCES) scripts/build_kernels.py
 	touch $@
 
 # llama-cpp-python built from its source package with the batch-invariance patch, AMX off, library only
-# (engine=llama_cpp; src/treegraft/llama_cpp/build.py says why each option). A failed build is one line.
+# (engine=llama_cpp; src/treegraft/engines/llama_cpp/build.py says why each option). A failed build is one line.
 # It needs only the virtualenv (build.py is plain Python; -P keeps its folder, whose select.py would shadow
 # the standard library's, off sys.path), so `make setup` compiles it while pip installs the
 # dependencies: the two take about as long.
-$(VENV)/.llamacpp: src/treegraft/llama_cpp/build.py $(wildcard src/treegraft/llama_cpp/patches/*.c) | $(VENV)/.python
-	$(VPY) -P src/treegraft/llama_cpp/build.py
+$(VENV)/.llamacpp: src/treegraft/engines/llama_cpp/build.py $(wildcard src/treegraft/engines/llama_cpp/patches/*.c) | $(VENV)/.python
+	$(VPY) -P src/treegraft/engines/llama_cpp/build.py
 	touch $@
 
 llamacpp: $(VENV)/.llamacpp ## build llama-cpp-python (patched, library only) into .venv; part of setup

@@ -116,8 +116,7 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
     from treegraft.engines.llama_cpp.build import installed_build
     from treegraft.front import decoder_for
 
-    tree = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "tree" / "default.yaml"), resolve=True)
-    tree = {k: v for k, v in tree.items() if not k.startswith("_")}
+    tree = None  # TreeConfig's defaults: conf/tree/default.yaml's (test_configs keeps them equal)
     middle = pair_cfg.middle
     pairs, decoders, facts = {}, {}, {"build": installed_build()}
     for method in methods:
@@ -152,7 +151,7 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
 
 def invariance_table(pair_cfg, args, console: Console) -> pd.DataFrame:
     """Batch invariance of the pair's GGUF files in both modes: chains and trees in one batch against
-    one-token decoding, KV below and above 512 cells (treegraft.llama_cpp.check)."""
+    one-token decoding, KV below and above 512 cells (treegraft.engines.llama_cpp.check)."""
     from treegraft.engines.llama_cpp import GGUFModel, gguf_path
     from treegraft.engines.llama_cpp.check import batch_invariance
 
@@ -179,7 +178,7 @@ def invariance_table(pair_cfg, args, console: Console) -> pd.DataFrame:
 
 def curve_table(pair_cfg, args, console: Console) -> pd.DataFrame:
     """t(n) of one decode of n chained rows on a 256-token cache, exact against stock, both models
-    (median of 5 after a warm-up; treegraft.llama_cpp.costs)."""
+    (median of 5 after a warm-up; treegraft.engines.llama_cpp.costs)."""
     from treegraft.engines.llama_cpp import GGUFModel, gguf_path
     from treegraft.engines.llama_cpp.costs import engine_curve
 

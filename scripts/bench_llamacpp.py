@@ -51,7 +51,7 @@ def build(root: Path, version: str, jobs: int) -> Path:
     with tarfile.open(sdist) as tar:
         tar.extractall(root, filter="data")
     src = next(root.glob("llama_cpp_python-*/vendor/llama.cpp"))
-    # AMX off as in the library build (treegraft.llama_cpp.build): ggml's AMX buffer type crashes on Q4_K_M
+    # AMX off as in the library build (treegraft.engines.llama_cpp.build): ggml's AMX buffer type crashes on Q4_K_M
     # models on Xeons with AMX; the rest is the stock build users run
     from treegraft.engines.llama_cpp.build import AMX_OFF
 

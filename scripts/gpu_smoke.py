@@ -233,7 +233,7 @@ def check_pair(name: str, device: torch.device, max_new: int, rows: list[dict]) 
     dec = decoder_for("all_mid", TorchEngines(pair.target, pair.middle, pair.tokenizer), {"budget": 20})
     final = {}
     out = dec.generate(prompts[1], max_new, on_tokens=lambda _: final.update(
-        target=dec.cache, middle=dec.middle.cache, committed=dec.middle.committed))
+        target=dec.engine.cache, middle=dec.middle.cache, committed=dec.middle.committed))
     context = prompts[1] + out.tokens[:-1]
     worst = 0.0
     tol = 1e-3 if dtype == "float32" else 5e-2

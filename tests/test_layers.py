@@ -16,7 +16,7 @@ LAYERS = [
     {"engines"},  # protocols at the bottom, the implementations (torch, llama_cpp) beside each other above them
     {"scheduling"},
     {"decoding"},  # the decoding loop: engines' protocols only (test_the_decoding_loop_imports_no_engine)
-    {"front"},  # the front door: a pair's engines and the one method dispatch
+    {"front", "settings"},  # the front door (a pair's engines, the one method dispatch); typed settings
     {"pipeline", "hf_generate"},
     {"generate", "__init__"},
 ]
@@ -178,4 +178,13 @@ def test_the_checks_catch_an_engine_import_and_a_cycle(tmp_path):
     costs = copy / "engines" / "llama_cpp" / "model.py"
     costs.write_text(costs.read_text() + "\nfrom .costs import model_key\n")
     assert engine_leaks(copy) == ["decoding/tree_decoder.py imports engines.torch.target"]
-    assert ["engines.llama_cpp.costs", "engines.llama_cpp.model", "engines.llama_cpp.costs"] in import_cycles(copy)
+    assert [set(c) for c in import_cycles(copy)] == [{"engines.llama_cpp.costs", "engines.llama_cpp.model"}]
+
+
+MAX_MODULE_LINES = 400  # a module longer than this holds more than one concern: split it by concern
+
+
+def test_no_module_is_longer_than_the_limit():
+    long = {str(p.relative_to(PACKAGE)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert long == {}

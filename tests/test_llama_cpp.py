@@ -70,7 +70,7 @@ def test_batch_invariant_products_give_every_column_the_bits_of_a_batch_of_one(t
     import platform
 
     _require_llama_cpp()
-    from treegraft.engines.llama_cpp import multicol_check
+    from treegraft.engines.llama_cpp.model import multicol_check
 
     block = 256 if type_name.endswith("_K") else 32
     results = {(n, nc): multicol_check(type_name, n, rows=5, columns=nc, seed=n + nc)

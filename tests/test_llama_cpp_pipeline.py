@@ -84,8 +84,8 @@ def test_engine_auto_picks_by_the_measured_step_and_says_why(monkeypatch):
     require_embedded("smollm2-135m")
     gguf = PairSpec(name="smol", target="embedded:smollm2-135m", self_draft_layers=28)
     curves = {"llama": 0.010, "torch": 0.020}
-    monkeypatch.setattr(select, "pair_verify_curve",
-                        lambda pair, cache, max_size=64: {1: curves["llama" if isinstance(pair, select.LlamaPair) else "torch"]})
+    monkeypatch.setattr(select.LlamaEngines, "verify_curve", lambda self, cache, max_size=64: {1: curves["llama"]})
+    monkeypatch.setattr(select.TorchEngines, "verify_curve", lambda self, cache, max_size=64: {1: curves["torch"]})
     assert select.choose_engine(gguf, cfg, "cpu")["engine"] == "llama_cpp"
     curves["llama"] = 0.030
     choice = select.choose_engine(gguf, cfg, "cpu")

@@ -9,7 +9,7 @@ from scipy.stats import chisquare
 
 from treegraft.data import BENCHMARKS, BenchmarkConfig, format_prompt, load_benchmark
 from treegraft.decoding import SamplingConfig, TreeConfig
-from treegraft.decoding import tree_decoder as tree_decoder_module
+from treegraft.decoding import verify as verify_module
 from treegraft.decoding.sampling import target_distribution
 from treegraft.decoding.verify import Acceptance
 from treegraft.model_io import forward_hidden, new_cache
@@ -67,11 +67,11 @@ def test_kv_caches_equal_a_fresh_forward_after_many_turns(tiny_pair):
     ids = tok(PROMPTS[1]).input_ids
     dec = tree_decoder(target, middle, tok, TreeConfig.paper(method="all_mid", budget=20), eos_ids=set())
     final = {}  # the caches as the last turn left them (generate releases them when it returns)
-    out = dec.generate(ids, 40, on_tokens=lambda _: final.update(target=dec.cache, middle=dec.middle.cache,
+    out = dec.generate(ids, 40, on_tokens=lambda _: final.update(target=dec.engine.cache, middle=dec.middle.cache,
                                                                  committed=dec.middle.committed,
                                                                  pending=len(dec.middle.pending)))
     assert len(out.turns) > 5
-    assert dec.cache is None and dec.middle.cache is None  # released after generate
+    assert dec.engine.cache is None and dec.middle.cache is None  # released after generate
     context = ids + out.tokens[:-1]  # everything emitted except the last token (the next root)
     for model, cache, tokens in [
         (target, final["target"], context),
@@ -144,7 +144,7 @@ def test_the_chi_square_test_catches_a_broken_rule(sampling_setup, monkeypatch):
                 return Acceptance(rows=[0, child], bonus=0, logits=[lg, lg])
         return Acceptance(rows=[0], bonus=int(torch.multinomial(p, 1, generator=generator)), logits=[lg])
 
-    monkeypatch.setattr(tree_decoder_module, "accept_sampling", broken)
+    monkeypatch.setattr(verify_module, "accept_sampling", broken)
     samples = first_token_samples(target, target, prompt_ids, N_SAMPLES)
     assert chi_square_pvalue(samples, probs) < 1e-6
 

@@ -25,10 +25,10 @@ from typing import Any, Callable
 import torch
 
 from .decoding.autoregressive import AutoregressiveDecoder
-from .decoding.methods import LEARNED_METHODS, METHODS
+from .decoding.methods import LEARNED_METHODS, METHODS, TREE_METHODS
 from .decoding.hf_peers import HFAssistedDecoder, HFPromptLookupDecoder
 from .decoding.sampling import SamplingConfig
-from .decoding.tree_config import METHOD_PRESETS, TreeConfig, tree_config_from
+from .decoding.tree_config import TreeConfig, tree_config_from
 from .decoding.tree_decoder import TreeGraftDecoder, calls_middle
 from .drafters.small import SmallDrafterConfig, small_config
 from .drafters.vocab import frequent_tokens
@@ -160,29 +160,27 @@ def decoder_for(method: str, pair: LoadedPair | LlamaPair | PairEngines, tree: d
     engines = engines_of(pair)
     sampling = sampling or SamplingConfig()
     small_cfg = small_config(small)  # checked for every method: a bad setting is an error even where unused
-    eos = engines.eos_ids() if eos_ids is None else set(eos_ids)
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    frequent = _frequent(engines.tokenizer, cache)
-    if method == "ar":
-        return AutoregressiveDecoder(engines.target(frequent), eos, sampling)
-    if method in ("hf_assisted", "hf_prompt_lookup"):
-        if not isinstance(engines, TorchEngines):
-            raise ValueError(f"method {method!r} runs transformers' generate: it needs engine=torch")
-        if method == "hf_assisted":
-            return HFAssistedDecoder(engines.target_model, engines.middle_model, eos, sampling)
-        return HFPromptLookupDecoder(engines.target_model, eos, sampling)
-    if method not in METHOD_PRESETS and method not in LEARNED_METHODS:
+    if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; expected one of {', '.join(METHODS)}")
     if method in LEARNED_METHODS and scheduler is None:
         raise ValueError(f"method {method} needs its learned scheduler (load_learned_scheduler)")
-    base = "fixed" if method in LEARNED_METHODS else method  # a learned policy runs the shared tree
-    cfg = replace(tree, method=base) if isinstance(tree, TreeConfig) else tree_config_from(base, tree)
-    middle = None
-    if calls_middle(cfg, scheduler) and engines.has_middle:
-        middle = engines.middle(frequent, cfg.draft_vocab)
-    small_drafter = None
-    if small_cfg.neural:
-        small_drafter = engines.small(small_cfg, frequent, cfg.draft_vocab, small_model)
+    if method.startswith("hf_") and not isinstance(engines, TorchEngines):
+        raise ValueError(f"method {method!r} runs transformers' generate: it needs engine=torch")
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    frequent = _frequent(engines.tokenizer, cache)
+    if method in TREE_METHODS:
+        base = "fixed" if method in LEARNED_METHODS else method  # a learned policy runs the shared tree
+        cfg = replace(tree, method=base) if isinstance(tree, TreeConfig) else tree_config_from(base, tree)
+        # a neural small drafter first: an engine that runs none says so before anything is built
+        small_drafter = engines.small(small_cfg, frequent, cfg.draft_vocab, small_model) if small_cfg.neural else None
+    eos = engines.eos_ids() if eos_ids is None else set(eos_ids)
+    if method == "ar":
+        return AutoregressiveDecoder(engines.target(frequent), eos, sampling)
+    if method == "hf_assisted":
+        return HFAssistedDecoder(engines.target_model, engines.middle_model, eos, sampling)
+    if method == "hf_prompt_lookup":
+        return HFPromptLookupDecoder(engines.target_model, eos, sampling)
+    middle = engines.middle(frequent, cfg.draft_vocab) if calls_middle(cfg, scheduler) and engines.has_middle else None
     return TreeGraftDecoder(engines.target(frequent), middle, engines.tokenizer, cfg, sampling, eos,
                             scheduler=scheduler, cache_dir=cache, eager_middle_prefill=eager_middle_prefill,
                             small=small_cfg, small_drafter=small_drafter)

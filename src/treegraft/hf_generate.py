@@ -71,7 +71,7 @@ def treegraft_generate(model: nn.Module, inputs: torch.Tensor | None = None, *, 
     plus ``method``, ``tree``, ``scheduler_artifacts`` and ``self_draft_layers`` (module docstring)."""
     from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-    from ..models import make_self_draft
+    from .models import make_self_draft
 
     ids = input_ids if input_ids is not None else inputs
     if ids is None:

@@ -22,9 +22,7 @@ a cache itself.
 
 from __future__ import annotations
 
-import copy
 import math
-import statistics
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -36,27 +34,21 @@ from ..drafters.small import SmallDrafterConfig, small_config
 from ..engines.protocols import DraftModel, TargetEngine
 from ..paths import default_cache_dir
 from ..scheduling import FixedScheduler, Scheduler, StepState, frontier_of, tree_signals
-from ..tree import CREATOR_NAMES, MIDDLE, SMALL, DraftTree, build_tree_inputs, prune_order, prune_to_budget
+from ..tree import SMALL, DraftTree, prune_order, prune_to_budget
 from .autoregressive import GenerationResult, extend_until_stop, hold_eos_rows, make_generator, prepare_prompt
 from .backoff import CallGate
 from .budget import BudgetPlanner
+from .runtime_context import RuntimeContext
 from .builders import BuildState, TurnPlan, builder_for
 from .sampling import SamplingConfig
 from .tree_config import METHOD_PRESETS, MethodPreset, TreeConfig, auto_shape
 from .turn_stats import TurnStats
-from .verify import accept_greedy, accept_sampling
+from .traces import decoded_trace, grafting_counts, keep_trace, trace_of
+from .verify import verify_tree
 
-__all__ = ["TreeConfig", "TreeGraftDecoder", "calls_middle", "MethodPreset", "METHOD_PRESETS", "SmallDrafterConfig", "auto_shape",
-           "TRACE_CONTEXT", "TRACES_KEPT"]
+__all__ = ["TreeConfig", "TreeGraftDecoder", "calls_middle", "MethodPreset", "METHOD_PRESETS", "SmallDrafterConfig",
+           "auto_shape"]
 
-# verification computes the LM head in one batch for a row and its best-scored descendants while the
-# parent's acceptance probability is at least this: an extra row in a batch costs ~1/13 of a lone row
-LIKELY_ROW_P = 0.08
-# a grafting trace shows this many context tokens before the root; a generation keeps this many traces
-TRACE_CONTEXT = 12
-TRACES_KEPT = 2
-# a trace lists at most this many of the middle drafter's new children beside the kept branch
-TRACE_NEW_CHILDREN = 5
 
 
 def calls_middle(cfg: TreeConfig, scheduler: Scheduler | None) -> bool:
@@ -65,7 +57,7 @@ def calls_middle(cfg: TreeConfig, scheduler: Scheduler | None) -> bool:
     return scheduler is not None or cfg.preset.schedule != "small"
 
 
-class TreeGraftDecoder:
+class TreeGraftDecoder(RuntimeContext):
     """Tree speculative decoder; see the module docstring."""
 
     def __init__(
@@ -131,11 +123,6 @@ class TreeGraftDecoder:
 
     # ------------------------------------------------------------------ setup
     @property
-    def cache(self):
-        """The target's KV cache (the PyTorch engine's)."""
-        return self.engine.cache
-
-    @property
     def verify_curve(self) -> dict[int, float] | None:
         return self.planner.curve if self.planner is not None else None
 
@@ -169,42 +156,6 @@ class TreeGraftDecoder:
         else:
             width, top_m, scope = auto_shape(budget, self.cfg.width, self.cfg.top_m)
         return TurnPlan(budget, width, top_m, scope, budget if self.cfg.skip_beyond_budget else None)
-
-    def warm_up(self, prompt_ids: Sequence[int], max_new_tokens: int = 8, repeats: int = 1) -> tuple[float, float]:
-        """Measure the scheduler's runtime context on ``repeats`` warm-up generations that call the middle
-        drafter at every step (not scored): sets and returns (t_tgt_ms, t_mid_ms), the *medians* over
-        every warm-up turn of the verification forward and of one middle call (a slow spell of a
-        shared machine moves a mean, not a median); the per-turn samples stay in ``context_samples``.
-
-        The middle drafter encodes the prompt at prefill here, as in `collect` (``eager_middle_prefill``),
-        so ``t_mid`` is what a call costs, not a call plus the prompt's catch-up: with the lazy catch-up
-        the first call of a short warm-up carries the whole prompt, which doubled ``t_mid`` on a
-        200-token prompt and made a learned scheduler price every call as twice as dear as the turns it
-        was fitted on.
-
-        The budget planner is left as the warm-up found it: its running drafting time would otherwise
-        start the scored decoding at an all-call turn's (5 middle calls, 1.9 s on a Zen 1 EPYC), and a
-        turn's verified size is chosen for a sunk cost that large (``(1 + AL) / (draft + t(B + 1))``): a
-        method that rarely calls verified 9-node trees for its first ~20 turns, 2.4x slower than `ar`."""
-        saved, eager, gate = self.scheduler, self._eager_middle_prefill, self.gate
-        planner = copy.deepcopy(self.planner)
-        self.scheduler = FixedScheduler([MIDDLE] * self.cfg.depth) if self.middle is not None else saved
-        self._eager_middle_prefill, self.gate = True, None
-        turns = []
-        try:
-            for _ in range(max(1, int(repeats))):
-                turns += self.generate(prompt_ids, max_new_tokens).turns
-        finally:
-            self.scheduler, self._eager_middle_prefill, self.gate = saved, eager, gate
-            if planner is None and self.planner is not None:  # first made here: keep its measured curve only
-                planner = BudgetPlanner(self.planner.curve, self.cfg.auto_max_budget)
-            self.planner = planner
-        tgt = [1000 * t["target_forward_s"] for t in turns]
-        mid = [1000 * t["middle_forward_s"] / t["middle_calls"] for t in turns if t["middle_calls"]]
-        self.context_samples = {"t_tgt_ms": tgt, "t_mid_ms": mid}
-        self.t_tgt_ms = float(statistics.median(tgt)) if tgt else 0.0
-        self.t_mid_ms = float(statistics.median(mid)) if mid else 0.0
-        return self.t_tgt_ms, self.t_mid_ms
 
     def _prefill(self, prompt_ids: list[int]) -> None:
         """The target's cache over prompt[:-1] and its top-m scores there (the n-gram drafter's), the
@@ -278,22 +229,8 @@ class TreeGraftDecoder:
 
     # ------------------------------------------------------------------ one turn
     def verify_tree(self, tree: DraftTree, stats: TurnStats, generator=None):
-        """Prune ``tree`` to B_ver and verify it with one target forward on top of the cache.
-
-        Returns ``(inputs, acceptance)``. The target cache then holds the context plus every verified
-        row; the caller keeps the accepted rows (``engine.keep``) or drops them all (``engine.rollback``).
-        The LM head runs only on the rows acceptance visits, in batches: the root and the chain of its
-        best-scored descendants likely to be accepted (``LIKELY_ROW_P``) at once, and where the walk
-        leaves that chain, the row it reaches together with that row's own likely chain.
-        """
-        clock = self.clock
+        """Prune ``tree`` to B_ver and verify it with one target forward (:func:`~.verify.verify_tree`)."""
         kept = prune_to_budget(tree, self.budget_for(tree))
-        start = clock.now()
-        L = self.engine.context_len()
-        inputs = build_tree_inputs(tree, kept, L)
-        fwd = clock.now()
-        forward = self.engine.forward_tree(inputs)
-        stats.target_forward_s += clock.now() - fwd
         if self.planner is not None:
             acceptance, table = self.planner.acceptance, self.planner.acceptance.table()
 
@@ -301,63 +238,11 @@ class TreeGraftDecoder:
                 return table[acceptance.bin_of(cum)]
         else:
             p_accept = math.exp
-        logits_of: dict[int, torch.Tensor] = {}
-        argmax_of: dict[int, int] = {}
-        greedy = self.sampling.greedy
-
-        def likely_chain(row: int) -> list[int]:
-            chain = [row]
-            while inputs.child_rows[chain[-1]]:
-                best = max(inputs.child_rows[chain[-1]].values(), key=lambda r: (tree.cum[inputs.node_ids[r]], -r))
-                if p_accept(tree.cum[inputs.node_ids[best]]) < LIKELY_ROW_P:
-                    break
-                chain.append(best)
-            return chain
-
-        def fetch(row: int) -> None:
-            """The LM head on ``row`` and its likely chain in one batch; greedy: their argmaxes in one host read."""
-            t0 = clock.now()
-            batch = [r for r in likely_chain(row) if r not in logits_of]
-            logits = forward.logits(batch)
-            if self._emitted < self._min_new_tokens:  # a row at depth d predicts new token emitted + d
-                logits = hold_eos_rows(logits, self.eos_ids, [self._emitted + inputs.positions[r] - L for r in batch],
-                                       self._min_new_tokens)
-            if greedy:
-                argmax_of.update(zip(batch, logits.argmax(dim=-1).tolist()))
-            logits_of.update(zip(batch, logits))
-            stats.target_forward_s += clock.now() - t0
-
-        def row_logits(row: int) -> torch.Tensor:
-            if row not in logits_of:
-                fetch(row)
-            return logits_of[row]
-
-        def row_argmax(row: int) -> int:
-            if row not in argmax_of:
-                fetch(row)
-            return argmax_of[row]
-
-        if greedy:
-            acc = accept_greedy(inputs, row_argmax, row_logits)
-        else:
-            def child_order(row: int) -> list[int]:
-                kids = list(inputs.child_rows[row].values())
-                return sorted(kids, key=lambda r: (-tree.cum[inputs.node_ids[r]], inputs.node_ids[r]))
-
-            acc = accept_sampling(inputs, row_logits, child_order, self.sampling, generator)
-        stats.verify_s += clock.now() - start
-        return inputs, acc
-
-    def _catch_up_estimate_s(self, prompt_len: int) -> float:
-        """What the middle drafter's first call of a prompt adds to a call: encoding the prompt's rows,
-        priced at the target's per-row cost in its widest measured verification times ``t_mid / t_tgt``
-        (the runtime context's ratio of the two models' costs); 0 without a measured context, or where
-        the prompt is encoded at prefill."""
-        if self.middle is None or self._eager_middle_prefill or not self.t_tgt_ms or not self.t_mid_ms:
-            return 0.0
-        curve = self._planner().curve
-        widest = max(curve)
-        return (prompt_len - 1) * curve[widest] / widest * self.t_mid_ms / self.t_tgt_ms
+        hold = None
+        if self._emitted < self._min_new_tokens:  # a row at depth d predicts new token emitted + d
+            def hold(logits: torch.Tensor, depths: list[int]) -> torch.Tensor:
+                return hold_eos_rows(logits, self.eos_ids, [self._emitted + d for d in depths], self._min_new_tokens)
+        return verify_tree(self.engine, tree, kept, self.clock, stats, p_accept, self.sampling, generator, hold)
 
     def _middle_charged(self) -> float:
         """Seconds of a shared prompt encoding the middle drafter was charged since its reset (llama.cpp)."""
@@ -403,7 +288,7 @@ class TreeGraftDecoder:
         first = tree.first_kept(path_nodes)
         stats.grafts_kept = len(tree.grafts)
         stats.accepted_on_kept = len(path_nodes) - first if first is not None else 0
-        self._trace = self._trace_of(tree, path_nodes, first, acc.bonus) if first is not None else None
+        self._trace = trace_of(tree, path_nodes, first, acc.bonus) if first is not None else None
         conf = sum(math.exp(row[0]) for row in top_lps) / len(top_lps)  # the target's top-1 probability at the accepted positions
         recent = self.turn_signals
         self.turn_signals = {"recent_al": 0.5 * recent["recent_al"] + 0.5 * acc.accepted,
@@ -423,57 +308,6 @@ class TreeGraftDecoder:
         if self.gate is not None and actions is None:
             self.gate.observe(len(emitted), stats.turn_s, stats.middle_calls, self._planner().verify_s(0))
         return emitted, stats
-
-    # ------------------------------------------------------------------ grafting traces
-    def _trace_of(self, tree: DraftTree, path_nodes: list[int], first: int, bonus: int) -> dict:
-        """A turn's grafting trace in token ids: the accepted path runs through a kept branch from
-        ``path_nodes[first]`` on (:meth:`DraftTree.first_kept`). The turn and context are added by
-        :meth:`generate`, the text pieces by :meth:`_decoded_trace`."""
-        under, step, _ = tree.grafts[tree.kept[path_nodes[first]] - 1]
-        new = [n for n in tree.children[under].values() if tree.creator[n] == MIDDLE and tree.step[n] == step]
-        new.sort(key=lambda n: (-tree.edge[n], n))  # the middle drafter's best first
-
-        def nodes(ids: list[int]) -> list[list[int]]:
-            return [[tree.token[n], tree.creator[n], tree.step[n]] for n in ids]
-
-        return {
-            "root": tree.token[0],
-            "grafted_under": {"path": tree.path_tokens(under), "depth": tree.depth[under],
-                              "creator": tree.creator[under], "step": tree.step[under]},
-            "graft_step": step,
-            "kept_branch": nodes(path_nodes[first:]),
-            "new_children": [tree.token[n] for n in new[:TRACE_NEW_CHILDREN]],
-            "accepted": nodes(path_nodes[1:]),
-            "bonus": int(bonus),
-            "accepted_on_kept": len(path_nodes) - first,
-        }
-
-    def _decoded_trace(self, raw: dict) -> dict:
-        """``raw`` (:meth:`_trace_of`, plus ``turn`` and ``context`` ids) with every token as its text piece
-        (the decoder's tokenizer; ``<id>`` without one) and every drafter by name: a small JSON-able dict."""
-        tok = self.tokenizer
-
-        def piece(token: int) -> str:
-            return tok.decode([int(token)], skip_special_tokens=False) if tok is not None else f"<{int(token)}>"
-
-        def nodes(items: list[list[int]]) -> list[dict]:
-            return [{"piece": piece(t), "drafter": CREATOR_NAMES[c], "step": s} for t, c, s in items]
-
-        under = raw["grafted_under"]
-        return {
-            "turn": raw["turn"],
-            "small_drafter": self.small_cfg.name,
-            "context": [piece(t) for t in raw["context"]],
-            "root": piece(raw["root"]),
-            "grafted_under": {"path": [piece(t) for t in under["path"]], "depth": under["depth"],
-                              "drafter": CREATOR_NAMES[under["creator"]], "step": under["step"]},
-            "graft_step": raw["graft_step"],
-            "kept_branch": nodes(raw["kept_branch"]),
-            "new_children": [piece(t) for t in raw["new_children"]],
-            "accepted": nodes(raw["accepted"]),
-            "bonus": piece(raw["bonus"]),
-            "accepted_on_kept": raw["accepted_on_kept"],
-        }
 
     # ------------------------------------------------------------------ public
     def release(self) -> None:
@@ -522,9 +356,7 @@ class TreeGraftDecoder:
                 before_turn(len(turns), root)
             emitted, stats = self._turn(root, generator)
             if self._trace is not None:
-                context = (prompt_ids[-TRACE_CONTEXT:] + tokens[-TRACE_CONTEXT:])[-TRACE_CONTEXT:]  # ends at the root
-                traces.append({**self._trace, "turn": len(turns), "context": context})
-                traces = sorted(traces, key=lambda t: (-t["accepted_on_kept"], t["turn"]))[:TRACES_KEPT]
+                traces = keep_trace(traces, self._trace, len(turns), prompt_ids, tokens)
             turns.append(stats.record())
             before = len(tokens)
             stop_reason = extend_until_stop(tokens, emitted, self.eos_ids, max_new_tokens)
@@ -533,13 +365,6 @@ class TreeGraftDecoder:
             root = emitted[-1]
         wall_s = clock.now() - start + self._middle_charged() - charged
         self.release()
-        grafting = {
-            "accepted_tokens": sum(t["accepted"] for t in turns),  # draft tokens, the bonus excluded
-            "accepted_on_kept": sum(t["accepted_on_kept"] for t in turns),
-            "turns": len(turns),
-            "grafting_turns": sum(t["grafts_kept"] > 0 for t in turns),
-            "kept_turns": sum(t["accepted_on_kept"] > 0 for t in turns),
-        }
         return GenerationResult(
             tokens=tokens,
             prompt_tokens=len(prompt_ids),
@@ -547,6 +372,6 @@ class TreeGraftDecoder:
             prefill_time_s=prefill_s,
             stop_reason=stop_reason,
             turns=turns,
-            grafting=grafting,
-            grafting_examples=[self._decoded_trace(t) for t in traces],
+            grafting=grafting_counts(turns),
+            grafting_examples=[decoded_trace(t, self.tokenizer, self.small_cfg.name) for t in traces],
         )

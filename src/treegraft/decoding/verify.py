@@ -13,11 +13,17 @@ from typing import Callable
 
 import torch
 
-from ..devices import device_tensor
-from ..tree import TreeInputs
+from ..devices import Clock, device_tensor
+from ..engines.protocols import TargetEngine
+from ..tree import DraftTree, TreeInputs, build_tree_inputs
 from .sampling import SamplingConfig, target_distribution
+from .turn_stats import TurnStats
 
-__all__ = ["Acceptance", "accept_greedy", "accept_sampling"]
+__all__ = ["Acceptance", "accept_greedy", "accept_sampling", "verify_tree", "LIKELY_ROW_P"]
+
+# verification computes the LM head in one batch for a row and its best-scored descendants while the
+# parent's acceptance probability is at least this: an extra row in a batch costs ~1/13 of a lone row
+LIKELY_ROW_P = 0.08
 
 
 @dataclass
@@ -95,3 +101,68 @@ def accept_sampling(
             probs[device_tensor(rejected, probs.device)] = 0.0
         bonus = int(torch.multinomial(probs, 1, generator=generator))
         return Acceptance(rows=rows, bonus=bonus, logits=logits)
+
+
+def verify_tree(engine: TargetEngine, tree: DraftTree, kept: list[int], clock: Clock, stats: TurnStats,
+                p_accept: Callable[[float], float], sampling: SamplingConfig, generator=None,
+                hold: Callable[[torch.Tensor, list[int]], torch.Tensor] | None = None):
+    """Verify the ``kept`` nodes of ``tree`` with one target forward on top of the engine's cache.
+
+    Returns ``(inputs, acceptance)``. The target cache then holds the context plus every verified row;
+    the caller keeps the accepted rows (``engine.keep``) or drops them all (``engine.rollback``). The LM
+    head runs only on the rows acceptance visits, in batches: the root and the chain of its best-scored
+    descendants likely to be accepted (``p_accept(path score) >= LIKELY_ROW_P``) at once, and where the
+    walk leaves that chain, the row it reaches together with that row's own likely chain. ``hold(logits,
+    depths)``: the rows' logits with EOS held back (``min_new_tokens``), None where nothing is held.
+    """
+    start = clock.now()
+    L = engine.context_len()
+    inputs = build_tree_inputs(tree, kept, L)
+    fwd = clock.now()
+    forward = engine.forward_tree(inputs)
+    stats.target_forward_s += clock.now() - fwd
+    logits_of: dict[int, torch.Tensor] = {}
+    argmax_of: dict[int, int] = {}
+    greedy = sampling.greedy
+
+    def likely_chain(row: int) -> list[int]:
+        chain = [row]
+        while inputs.child_rows[chain[-1]]:
+            best = max(inputs.child_rows[chain[-1]].values(), key=lambda r: (tree.cum[inputs.node_ids[r]], -r))
+            if p_accept(tree.cum[inputs.node_ids[best]]) < LIKELY_ROW_P:
+                break
+            chain.append(best)
+        return chain
+
+    def fetch(row: int) -> None:
+        """The LM head on ``row`` and its likely chain in one batch; greedy: their argmaxes in one host read."""
+        t0 = clock.now()
+        batch = [r for r in likely_chain(row) if r not in logits_of]
+        logits = forward.logits(batch)
+        if hold is not None:
+            logits = hold(logits, [inputs.positions[r] - L for r in batch])
+        if greedy:
+            argmax_of.update(zip(batch, logits.argmax(dim=-1).tolist()))
+        logits_of.update(zip(batch, logits))
+        stats.target_forward_s += clock.now() - t0
+
+    def row_logits(row: int) -> torch.Tensor:
+        if row not in logits_of:
+            fetch(row)
+        return logits_of[row]
+
+    def row_argmax(row: int) -> int:
+        if row not in argmax_of:
+            fetch(row)
+        return argmax_of[row]
+
+    if greedy:
+        acc = accept_greedy(inputs, row_argmax, row_logits)
+    else:
+        def child_order(row: int) -> list[int]:
+            kids = list(inputs.child_rows[row].values())
+            return sorted(kids, key=lambda r: (-tree.cum[inputs.node_ids[r]], inputs.node_ids[r]))
+
+        acc = accept_sampling(inputs, row_logits, child_order, sampling, generator)
+    stats.verify_s += clock.now() - start
+    return inputs, acc

@@ -10,7 +10,7 @@ tokenizer, everything else equal. Here a neural small drafter is one of
   folder, a hub id), e.g. Qwen3-0.6B under a Qwen3-1.7B middle drafter; with ``layers`` its first
   ``layers`` decoder layers only.
 
-Either runs behind the middle drafter's own engine (:class:`~treegraft.drafters.middle.MiddleDrafter`):
+Either runs behind the middle drafter's own engine (:class:`~treegraft.engines.torch.MiddleDrafter`):
 an incremental KV cache of its own over the context and the draft tree, the accepted path kept after
 verification and the rest of the emitted tokens encoded at its next call, so there is one cache
 machinery, not two. On a small step it proposes, for each node the step expands, its own top-m tokens

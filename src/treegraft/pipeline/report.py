@@ -164,7 +164,7 @@ def _evaluate_coverage(exp_dir: Path) -> str | None:
     the config the last evaluate job ran with), or None where that config is not there."""
     from omegaconf import OmegaConf
 
-    from .evaluate import evaluate_coverage
+    from .evaluate_scope import evaluate_coverage
 
     config = Path(exp_dir) / "evaluate" / "config.yaml"
     if not config.exists():

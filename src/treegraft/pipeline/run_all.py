@@ -25,10 +25,12 @@ from tqdm.auto import tqdm
 from ..machine import cpu_line
 from ..models.loading import resolve_source
 from .artifacts import stage_dir
-from .collect import pair_settings, run_collect
+from .collect import run_collect
+from .collected import pair_settings
 from .common import fold_intervals, pair_spec, print_table
 from .distill import run_distill
-from .evaluate import eval_pairs, evaluated_methods, method_prompts, run_evaluate
+from .evaluate import run_evaluate
+from .evaluate_scope import eval_pairs, evaluated_methods, method_prompts
 from .fit import run_fit
 from .parallel import one_thread_if_forking
 from .report import make_figures, make_tables
@@ -60,6 +62,13 @@ def _pair_weight(cfg: DictConfig, pair: str) -> float:
         return 1.0
 
 
+def _generations_per_pair(e: DictConfig) -> int:
+    """The (prompt, method) generations evaluate runs for one pair over every benchmark."""
+    n = int(e.evaluation.prompts_per_benchmark)
+    per_benchmark = sum(len(method_prompts(e, m, list(range(n)))) for m in evaluated_methods(e))
+    return len(e.evaluation.benchmarks) * per_benchmark
+
+
 def work_plan(cfgs: dict[str, DictConfig]) -> dict[str, float]:
     """Estimated work of each stage, in weighted target tokens."""
     c, e = cfgs["collect"], cfgs["evaluate"]
@@ -70,13 +79,8 @@ def work_plan(cfgs: dict[str, DictConfig]) -> dict[str, float]:
         share = 1.0 / max(int(pp.enumerate_every), 1)
         collect += _pair_weight(c, pair) * prompts * int(pp.max_new_tokens) * (1 + ENUMERATION_FACTOR * share)
     evaluate = 0.0
-    methods = evaluated_methods(e)
     for pair in eval_pairs(e):
-        gens = 0
-        for bench in e.evaluation.benchmarks:
-            n = int(e.evaluation.prompts_per_benchmark)
-            gens += sum(len(method_prompts(e, m, list(range(n)))) for m in methods)
-        evaluate += _pair_weight(e, pair) * gens * int(e.evaluation.max_new_tokens)
+        evaluate += _pair_weight(e, pair) * _generations_per_pair(e) * int(e.evaluation.max_new_tokens)
     small = 0.02 * (collect + evaluate) + 1.0  # fit, distill, report: minutes, no model
     return {"collect": collect, "fit": small, "distill": small, "evaluate": evaluate, "report": small / 2}
 
@@ -121,10 +125,7 @@ def run_all(cfgs: dict[str, DictConfig]) -> dict[str, float]:
     stage("collect", lambda: run_collect(c, progress=per_unit("collect", collect_units)))
     stage("fit", lambda: run_fit(cfgs["fit"]))
     stage("distill", lambda: run_distill(cfgs["distill"]))
-    methods = evaluated_methods(e)
-    n = int(e.evaluation.prompts_per_benchmark)
-    eval_units = len(eval_pairs(e)) * len(e.evaluation.benchmarks) * sum(
-        len(method_prompts(e, m, list(range(n)))) for m in methods)
+    eval_units = len(eval_pairs(e)) * _generations_per_pair(e)
     if p.get("time_budget_min") and e.evaluation.get("target_half_width") is not None:
         minutes = evaluate_budget_min(float(p.time_budget_min), sum(walls.values()) / 60)
         with open_dict(e):

@@ -128,7 +128,7 @@ def _grouped_by_gpus(pairs: Sequence[str], cfg) -> dict[int, list[str]]:
 def plan_sweep(cfg, overrides: Sequence[str]) -> list[StageRun]:
     """The multiruns of ``cfg.stages`` in order (``overrides``: the sweep's command line, forwarded)."""
     from .common import fit_pairs
-    from .evaluate import eval_pairs
+    from .evaluate_scope import eval_pairs
 
     stages = list(cfg.stages)
     bad = [s for s in stages if s not in STAGES]
@@ -165,11 +165,11 @@ def _progress(stage: str, cfg) -> Callable[[], str] | None:
 
     folder = stage_dir(cfg.paths.output_dir, cfg.pipeline.name, stage)
     if stage == "collect":
-        from .collect import collect_coverage
+        from .collected import collect_coverage
 
         return lambda: collect_coverage(cfg, folder).status
     if stage == "evaluate":
-        from .evaluate import evaluate_coverage
+        from .evaluate_scope import evaluate_coverage
 
         return lambda: evaluate_coverage(cfg, folder).status
     return None

@@ -23,7 +23,7 @@ measure the offline table reports.
 
 With ``timing_scales`` every turn is also relabelled as if the target step cost ``a`` times and a
 middle forward ``b`` times what was measured (the latency parts that scale with each, see
-:func:`treegraft.pipeline.collect.load_rows`), with the state's warm-up timings rescaled to match:
+:func:`treegraft.pipeline.collected.load_rows`), with the state's warm-up timings rescaled to match:
 one fitted pair then still teaches how the margin moves with the cost of a call.
 """
 

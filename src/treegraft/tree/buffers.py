@@ -21,6 +21,15 @@ def _ranked_candidates(tree: DraftTree) -> list[int]:
     return candidates
 
 
+def _unkept_chain(tree: DraftTree, node: int, kept: set[int]) -> list[int]:
+    """``node`` and its ancestors up to the first kept one (or the root), deepest first."""
+    chain = []
+    while node > 0 and node not in kept:
+        chain.append(node)
+        node = tree.parent[node]
+    return chain
+
+
 def prune_order(tree: DraftTree) -> list[int]:
     """Every alive non-root node in the order pruning keeps them under an unbounded budget: each
     candidate (by ``cum``) brings its not-yet-kept ancestors first. ``order[:B]`` is what a budget of B
@@ -30,12 +39,7 @@ def prune_order(tree: DraftTree) -> list[int]:
     for node in _ranked_candidates(tree):
         if node in kept:
             continue
-        chain = []
-        n = node
-        while n > 0 and n not in kept:
-            chain.append(n)
-            n = tree.parent[n]
-        chain.reverse()
+        chain = _unkept_chain(tree, node, kept)[::-1]
         kept.update(chain)
         order.extend(chain)
     return order
@@ -58,11 +62,7 @@ def prune_to_budget(tree: DraftTree, budget: int) -> list[int]:
             break
         if node in kept:
             continue
-        chain = []
-        n = node
-        while n > 0 and n not in kept:
-            chain.append(n)
-            n = tree.parent[n]
+        chain = _unkept_chain(tree, node, kept)
         if len(kept) + len(chain) <= budget:
             kept.update(chain)
     return sorted(kept)

@@ -59,8 +59,8 @@ class TreeBuilder:
     def __init__(self, cfg: TreeConfig, ngram: NGramDrafter, middle=None, clock: Clock | None = None, small=None,
                  small_top_m: int | None = None):
         """``clock``: the decoder's (:class:`~treegraft.devices.Clock`: it waits for the models' devices).
-        ``small``: a neural small drafter (a :class:`~treegraft.decoding.engine.DraftModel`, e.g. a
-        :class:`~treegraft.drafters.middle.MiddleDrafter` over a self-draft) that proposes the small steps'
+        ``small``: a neural small drafter (a :class:`~treegraft.engines.protocols.DraftModel`, e.g. a
+        :class:`~treegraft.engines.torch.MiddleDrafter` over a self-draft) that proposes the small steps'
         children instead of the n-gram drafter; ``small_top_m``: its children per node (None: the turn's m)."""
         self.cfg = cfg
         self.preset = cfg.preset

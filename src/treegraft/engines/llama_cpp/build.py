@@ -1,7 +1,7 @@
 """Build llama-cpp-python from its source package, with the batch-invariance patch (what `make setup` runs).
 
 Run:
-    .venv/bin/python -m treegraft.llama_cpp.build          # or: make llamacpp
+    .venv/bin/python -m treegraft.engines.llama_cpp.build          # or: make llamacpp
 
 Downloads the pinned source package from PyPI, applies :data:`PATCHES` (its vendored ggml, one build option), and
 installs it into the running interpreter's environment (library only: no tools, no examples, no

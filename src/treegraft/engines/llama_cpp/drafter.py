@@ -18,9 +18,9 @@ __all__ = ["LlamaCppDrafter"]
 
 
 class LlamaCppDrafter:
-    """:class:`~treegraft.decoding.engine.DraftModel` over a :class:`GGUFModel` (the middle drafter).
+    """:class:`~treegraft.engines.protocols.DraftModel` over a :class:`GGUFModel` (the middle drafter).
 
-    Same contract as :class:`~treegraft.drafters.middle.MiddleDrafter`: the prompt is pending until the
+    Same contract as :class:`~treegraft.engines.torch.MiddleDrafter`: the prompt is pending until the
     first call, a call encodes the requested nodes not yet encoded (and their unencoded ancestors),
     :meth:`commit` keeps the encoded prefix of the accepted path and queues the rest as pending."""
 

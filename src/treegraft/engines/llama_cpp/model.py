@@ -61,7 +61,7 @@ def _ggml_cpu(symbol: str):
 
 
 def set_batch_invariant(on: bool) -> None:
-    """The patched ggml's process-wide batch-invariant switch (see :mod:`treegraft.llama_cpp.build`)."""
+    """The patched ggml's process-wide batch-invariant switch (see :mod:`treegraft.engines.llama_cpp.build`)."""
     global _SWITCH
     if _SWITCH is None:
         _SWITCH = _ggml_cpu("ggml_cpu_set_batch_invariant")
