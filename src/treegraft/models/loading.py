@@ -40,7 +40,7 @@ from .runtime import (RuntimeChoice, apply_runtime, check_runtime_name, choose_r
 from .self_draft import make_self_draft
 from .sources import (EMBEDDED_PREFIX, ModelLoadError, check_same_output_size, check_same_vocabulary, load_tokenizer,
                       resolve_dtype, resolve_source)
-from .tiny import TINY_PREFIX, build_tiny_model
+from .tiny import TINY_PREFIX, tiny_model_of
 
 __all__ = ["load_pair_from_settings", "PairSpec", "LoadedPair", "resolve_runtime", "runtime_choice",
            "resolve_middle_runtime", "placement_from", "load_model", "load_pair"]
@@ -106,7 +106,7 @@ def load_model(
                          "use runtime=float32 or bfloat16 (or dtype=) with a device_map")
     torch_dtype = _weights_dtype(dtype, runtime)
     if source.startswith(TINY_PREFIX):
-        model = build_tiny_model(int(source[len(TINY_PREFIX):] or 0)).to(torch_dtype)
+        model = tiny_model_of(source).to(torch_dtype)
         if device_map is not None:
             return _dispatch(model, device_map, max_memory, offload_folder).eval()
     else:

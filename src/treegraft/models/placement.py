@@ -108,11 +108,11 @@ def model_config(source: str, models_dir=None):
     from transformers import AutoConfig
 
     from .sources import resolve_source
-    from .tiny import TINY_PREFIX, build_tiny_model
+    from .tiny import TINY_PREFIX, tiny_model_of
 
     if source.startswith(TINY_PREFIX):
         with torch.device("meta"):
-            return build_tiny_model(int(source[len(TINY_PREFIX):] or 0)).config
+            return tiny_model_of(source).config
     try:
         return AutoConfig.from_pretrained(resolve_source(source, models_dir))
     except (OSError, ValueError) as err:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["TINY_PREFIX", "TINY_SPECIAL_TOKENS", "build_tiny_tokenizer", "build_tiny_config", "build_tiny_model"]
+__all__ = ["TINY_PREFIX", "TINY_SPECIAL_TOKENS", "build_tiny_tokenizer", "build_tiny_config", "build_tiny_model",
+           "tiny_model_of"]
 
 TINY_PREFIX = "tiny-random:"
 TINY_SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
@@ -67,3 +68,8 @@ def build_tiny_model(seed: int = 0, num_layers: int = 2):
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     return model.eval()
+
+
+def tiny_model_of(source: str):
+    """The tiny random model a ``tiny-random:<seed>`` source names (seed 0 when none is given)."""
+    return build_tiny_model(int(source[len(TINY_PREFIX):] or 0))

@@ -24,6 +24,8 @@ from ..atomic import atomic_torch_save, atomic_write, atomic_write_json, atomic_
 from ..errors import MissingArtifactError
 
 __all__ = [
+    "IN_SAMPLE_DISTILLED",
+    "IN_SAMPLE_PLANNER",
     "MissingArtifactError",
     "stage_dir",
     "require",
@@ -35,6 +37,11 @@ __all__ = [
     "record_stage",
     "up_to_date",
 ]
+
+# offline_eval.csv's labels of the deployed policies scored on the very turns they were fitted on (distill
+# writes them; the report's figure leaves them out: it shows held-out figures only)
+IN_SAMPLE_DISTILLED = "distilled, in-sample (fitted on these turns)"
+IN_SAMPLE_PLANNER = "direct planner, in-sample (fitted on these turns)"
 
 STAGES = ("collect", "fit", "distill", "evaluate", "report")
 

@@ -28,7 +28,8 @@ from ..scheduling.policy import StepState
 from ..scheduling.signals import SIGNAL_NAMES
 from ..scheduling.value import ValueSystem, fit_value_system, grouped_folds
 from ..settings import RunSettings
-from .artifacts import atomic_write_json, atomic_write_parquet, atomic_write_text, record_stage, require, stage_dir, up_to_date
+from .artifacts import (IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER, atomic_write_json, atomic_write_parquet, atomic_write_text,
+                        record_stage, require, stage_dir, up_to_date)
 from .collected import load_rows, merge_collect, row_files
 from .common import fit_pairs, print_table, to_markdown
 from .estimates import offline_prompt_intervals
@@ -38,8 +39,6 @@ from ..devices import now
 
 __all__ = ["run_distill", "distill_predictor", "choose_teacher", "name_students", "student_name", "states_of", "time_decisions", "IN_SAMPLE_DISTILLED", "IN_SAMPLE_PLANNER"]
 
-IN_SAMPLE_DISTILLED = "distilled, in-sample (fitted on these turns)"
-IN_SAMPLE_PLANNER = "direct planner, in-sample (fitted on these turns)"
 DISTILLED = "TreeGraft scheduler (distilled)"
 PLANNER = "direct planner (value system)"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .distill import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER
+from .artifacts import IN_SAMPLE_DISTILLED, IN_SAMPLE_PLANNER
 from .estimates import method_intervals
 from .records import summarize_records
 from .report_tables import method_order
