@@ -29,40 +29,40 @@ def layer_of(key: str) -> int:
     raise KeyError(f"module group {key!r} has no layer: add it to LAYERS")
 
 
-def _imported(path: Path, package: Path, name: str) -> list[str]:
-    """The first package component of every module ``path`` imports from ``name`` (relative or absolute)."""
+def _modules_imported(path: Path, package: Path) -> list[str]:
+    """Every module of the package ``path`` imports, as a dotted path below the package (``engines.torch.target``)."""
     rel = path.relative_to(package).with_suffix("")
-    here = list(rel.parts[:-1])  # the importing module's package, relative to the root package
+    here = list(rel.parts[:-1])
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = here[: len(here) - (node.level - 1)] if node.level > 1 else list(here)
                 parts = base + (node.module.split(".") if node.module else [])
-                if not parts:  # `from . import x` at the top level
-                    parts = [alias.name for alias in node.names][:1]
-            elif node.module and node.module.split(".")[0] == name:
+            elif node.module and node.module.split(".")[0] == package.name:
                 parts = node.module.split(".")[1:]
             else:
                 continue
-            if parts:
-                out.append(parts[0])
+            if not parts:  # `from . import x` at the top level
+                parts = [alias.name for alias in node.names][:1]
+            out.append(".".join(parts))
         elif isinstance(node, ast.Import):
-            for alias in node.names:
-                bits = alias.name.split(".")
-                if bits[0] == name and len(bits) > 1:
-                    out.append(bits[1])
-    return out
+            out += [".".join(a.name.split(".")[1:]) for a in node.names if a.name.split(".")[0] == package.name]
+    return [m for m in out if m]
+
+
+def _imported(path: Path, package: Path) -> list[str]:
+    """The first package component of every module ``path`` imports from the package (relative or absolute)."""
+    return [module.split(".")[0] for module in _modules_imported(path, package)]
 
 
 def import_violations(package: Path = PACKAGE) -> list[str]:
     """``"<module> imports <group> (layer a > b)"`` for every import that goes up a layer."""
-    name = package.name
     problems = []
     for path in sorted(package.rglob("*.py")):
         own_key = path.relative_to(package).parts[0].removesuffix(".py")
         own = layer_of(own_key)
-        for target in _imported(path, package, name):
+        for target in _imported(path, package):
             if layer_of(target) > own:
                 problems.append(f"{path.relative_to(package)} imports {target} (layer {layer_of(target)} > {own})")
     return problems
@@ -90,26 +90,6 @@ def test_the_check_catches_an_upward_import(tmp_path):
 
 # what the decoding loop may import of the engines layer: the protocols and the data they hand over
 ENGINE_INTERFACE = {"engines", "engines.protocols", "engines.logprobs"}
-
-
-def _modules_imported(path: Path, package: Path) -> list[str]:
-    """Every module of the package ``path`` imports, as a dotted path below the package (``engines.torch.target``)."""
-    rel = path.relative_to(package).with_suffix("")
-    here = list(rel.parts[:-1])
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here[: len(here) - (node.level - 1)] if node.level > 1 else list(here)
-                parts = base + (node.module.split(".") if node.module else [])
-            elif node.module and node.module.split(".")[0] == package.name:
-                parts = node.module.split(".")[1:]
-            else:
-                continue
-            out.append(".".join(parts))
-        elif isinstance(node, ast.Import):
-            out += [".".join(a.name.split(".")[1:]) for a in node.names if a.name.split(".")[0] == package.name]
-    return [m for m in out if m]
 
 
 def engine_leaks(package: Path = PACKAGE) -> list[str]:
