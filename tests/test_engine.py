@@ -1,4 +1,4 @@
-"""The engine seam: the tree decoder reaches its target only through a TargetEngine.
+"""The engine protocols: the tree decoder reaches its target only through a TargetEngine.
 
 A scripted engine with no model at all (the next token is always the current one + 1) decodes through
 the same decoder; a recording wrapper around the PyTorch engine shows which calls a turn and a schedule

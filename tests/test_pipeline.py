@@ -339,7 +339,7 @@ def test_cost_model_prices_cheap_schedules_by_relative_error():
     from sklearn.linear_model import LinearRegression
 
     from treegraft.models.runtime import curve_at
-    from treegraft.pipeline.collect import CURVE_SCALE, _cost_matrix
+    from treegraft.pipeline.cost_model import CURVE_SCALE, _cost_matrix
 
     rng = np.random.default_rng(5)
     n = 640

@@ -43,7 +43,7 @@ from .collect_rows import collect_summary, decode_with_enumeration, enumeration_
 from .collected import (PAIR_SETTINGS, collect_benchmarks, collect_coverage, collect_pairs, collect_question_ids,
                         load_rows, merge_collect, pair_is_collected, pair_settings, row_files, shard_path)
 from .common import pair_spec, print_table, stage_prompts
-from .cost_model import (COST_FEATURES, CURVE_SCALE, _cost_matrix, apply_cost_model,  # noqa: F401 (tests)
+from .cost_model import (COST_FEATURES, CURVE_SCALE, apply_cost_model,  # noqa: F401 (re-exported)
                          cost_model_latency, fit_cost_model)
 from .parallel import fork_pull, one_thread_with_workers, spawn_pull
 from .shards import Shard, shard_from

@@ -71,7 +71,7 @@ def enumerate_turn(decoder: TreeGraftDecoder, root: int, with_signals: bool = Tr
     """Enumerate all 2^D schedules of the turn whose root is ``root``, leaving the decoder's state as it was.
 
     The decoder must be a shared-tree method (``fixed`` or an ablation) with a middle drafter. It works
-    through the engine seam only: the target rolls every verified tree back (``engine.rollback``) and the
+    through the engine protocols only: the target rolls every verified tree back (``engine.rollback``) and the
     drafters (middle, and a neural small one) restore a snapshot at every branch, so the caller continues
     with an ordinary turn.
     """

@@ -16,8 +16,6 @@ verification is untouched, so decoding stays lossless.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 from torch import nn
 
