@@ -106,3 +106,18 @@ def test_make_all_auto_runs_the_experiment_of_the_faster_engine(monkeypatch):
         assert (CONF_DIR / "experiment" / f"{experiment}.yaml").is_file()
         assert compose("evaluate", [f"experiment={experiment}"]).engine.name == (
             "llama_cpp" if experiment == "cpu_llama" else "torch")
+
+
+def test_generate_finds_the_scheduler_the_pipeline_just_fitted_on_this_engine(llama_smoke, capsys):
+    """`make all` then `python -m treegraft.generate engine=llama_cpp method=treegraft`: method.artifacts=auto
+    finds the experiment that fitted this pair on this engine, and its output is the engine's own `ar`."""
+    from treegraft.generate import run
+
+    common = ["pair=smollm2-135m__self", "engine=llama_cpp", "engine.n_ctx=1024", "prompt=Add two numbers.",
+              "max_new_tokens=12", f"paths.output_dir={llama_smoke.parent.parent}"]
+    assert run(compose("generate", common + ["method=ar"])) == 0
+    ar_text = capsys.readouterr().out
+    assert run(compose("generate", common + ["method=treegraft"])) == 0
+    out = capsys.readouterr()
+    assert f"[treegraft] policy from {llama_smoke}" in out.err
+    assert out.out == ar_text
