@@ -321,7 +321,8 @@ def main() -> int:
         for m in methods:
             if m not in results:
                 results[m] = run_one(m, i, args.max_new_tokens)
-        atomic_write_json({"key": key, "results": results}, runs / f"prompt_{i:03d}.json")
+        atomic_write_json({"key": key, "pair": args.pair, "benchmark": prompts[i][0], "question_id": prompts[i][1],
+                           "prompt_ids": prompts[i][2], "results": results}, runs / f"prompt_{i:03d}.json")
         per_prompt.append(results)
     wall = time.perf_counter() - start
 

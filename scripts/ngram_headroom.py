@@ -7,6 +7,7 @@ over `ar` with paired bootstrap 95% CIs. What each policy means: `treegraft.pipe
 
 Run:
     python scripts/ngram_headroom.py outputs/pipeline/cpu_llama_full
+    python scripts/ngram_headroom.py outputs/bench/llama/<out> --decoders llama:all_small --curve 1:30,2:37,...
     python scripts/ngram_headroom.py RUN --curve 1:59,2:70,3:87,4:105 --max-depth 6
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from treegraft.pipeline.headroom import headroom, load_ar_records
+from treegraft.pipeline.headroom import headroom, load_ar_records, load_bench_records
 
 
 def _curve_from_run(run: Path, pair: str) -> dict[int, float]:
@@ -37,6 +38,9 @@ def main() -> None:
     parser.add_argument("--max-n", type=int, default=5, help="longest n-gram looked up")
     parser.add_argument("--max-depth", type=int, default=8, help="deepest draft")
     parser.add_argument("--markdown", type=Path, default=None, help="also write the table here")
+    parser.add_argument("--decoders", nargs="*", default=[],
+                        help="a bench folder's measured methods on the same prompts (e.g. llama:all_small llama:treegraft): "
+                             "their speedups and the fraction of the bound they reach")
     args = parser.parse_args()
     records = load_ar_records(args.run, args.pair)
     pair = args.pair or records["pair"].iloc[0]
@@ -48,7 +52,10 @@ def main() -> None:
             sys.exit(f"error: --curve {args.curve!r}: expected n:ms pairs such as 1:59,2:70,4:105")
     else:
         curve = _curve_from_run(args.run, pair)
-    table = headroom(records, curve, args.max_n, args.max_depth)
+    if args.decoders and not (args.run / "runs").is_dir():
+        sys.exit(f"error: --decoders reads a bench folder (scripts/bench_llama_engine.py --out-dir); {args.run} is not one")
+    decoders = {m: load_bench_records(args.run, m) for m in args.decoders}
+    table = headroom(records, curve, args.max_n, args.max_depth, decoders=decoders)
     console = Console(width=160)
     console.print(f"{pair}, {len(records)} prompts, {records['runtime'].iloc[0]} on {records['cpu'].iloc[0]}; "
                   f"t(n) ms: " + ", ".join(f"{n}: {curve[n] * (1000 if curve[n] < 10 else 1):.0f}" for n in sorted(curve)))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from treegraft.drafters import NGramConfig, NGramDrafter
+from treegraft.drafters.ngram import copy_kind
 
 
 def scores_for(n_pos: int, table: dict[int, dict[int, float]], m: int = 3):
@@ -97,12 +98,30 @@ def test_calibrated_scores_are_observed_acceptance_rates():
     drafter = NGramDrafter(NGramConfig(max_n=3, top_m=3, scoring="calibrated"))
     drafter.reset(ctx, *scores_for(len(ctx) - 1, {2: {9: -1.0}, 5: {7: -0.3}, 8: {8: -0.4}}))
     children, _ = drafter.propose_kinds([3])
-    assert [(t, kind) for t, _, kind in children] == [(9, (3, 0)), (7, (2, 0)), (8, (1, 0))]
+    # each proposed token is the target's own top-1 where it occurred: agreement 1
+    assert [(t, kind) for t, _, kind in children] == [(9, (3, 0, 1)), (7, (2, 0, 1)), (8, (1, 0, 1))]
     assert all(score == pytest.approx(math.log(0.3)) for _, score, _ in children)  # the prior before any turn
-    drafter.observe([((3, 0), True)] * 8 + [((1, 0), False)] * 8)
+    drafter.observe([((3, 0, 1), True)] * 8 + [((1, 0, 1), False)] * 8)
     by_token = {t: s for t, s, _ in drafter.propose_kinds([3])[0]}
     assert by_token[9] == pytest.approx(math.log((8 + 0.6) / 10))
     assert by_token[8] == pytest.approx(math.log(0.6 / 10))
     assert by_token[9] > by_token[7] > by_token[8]  # long matches that were right rank above unigrams
     with pytest.raises(ValueError, match="scoring"):
         NGramConfig(scoring="magic")
+
+
+def test_a_kind_says_whether_the_target_predicted_the_token_where_it_occurred():
+    # context 4 5 6 | 4 5 7 | 4 5 (root 5): after "4 5", 6 followed at position 1 and 7 at position 4
+    ctx = [4, 5, 6, 4, 5, 7, 4, 5]
+    drafter = NGramDrafter(NGramConfig(max_n=2, top_m=3, copy_len=3, copy_min_order=2))
+    drafter.reset(ctx, *scores_for(4, {1: {6: -0.1}, 4: {3: -0.2, 7: -1.0}}))  # no cache past position 3
+    kinds = {t: kind for t, _, kind in drafter.propose_kinds([])[0]}
+    assert kinds[6] == (2, 0, 1)  # the target's top-1 at position 1
+    # 7's occurrence (position 4) lies past the cached rows: unknown
+    assert kinds[7] == (2, 1, -1)
+    drafter.set_scores(4, *scores_for(1, {0: {3: -0.2, 7: -1.0}}))
+    kinds = {t: kind for t, _, kind in drafter.propose_kinds([])[0]}
+    assert kinds[7][2] == 0  # cached now, and not the top-1 there
+    assert drafter.copy_chain_kinds([])[0][2] == copy_kind(2, True, 0)
+    drafter.observe([((2, 0, 1), True)] * 6 + [((2, 1, 0), False)] * 6)
+    assert drafter.rate((2, 0, 1)) > 0.3 > drafter.rate((2, 1, 0))  # the agreement is learned apart

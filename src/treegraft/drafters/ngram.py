@@ -17,7 +17,8 @@ its most recent occurrence, as one deep branch: what prompt lookup decoding draf
 Scoring (``scoring``): ``target`` is the paper's (the cached target log-probability, or the floor);
 copied tokens score at least the log of the copy rate. ``calibrated`` (our addition) scores a child by
 the log of the rate at which children of its kind were accepted when their parent was: the kind is
-(matched order, rank among that order's proposals) or ``copy``, counted from every turn
+(matched order, rank among that order's proposals, whether the target predicted the token where it
+occurred) or ``copy`` (with the same agreement), counted from every turn
 (:meth:`observe`; prior 0.3, copies 0.5). Why: the cached score says how likely the target found a
 token *where it occurred*, which is a poor guide to whether it follows *now*: a unigram match's
 continuation is usually wrong however confident the target was there, and an identifier copied from
@@ -39,12 +40,12 @@ __all__ = ["NGramConfig", "NGramDrafter", "COPY", "copy_kind"]
 COPY = ("copy",)  # the kind of a copy chain's tokens (prefix of every copy kind: ("copy", order, first|next))
 
 
-def copy_kind(order: int, first: bool) -> tuple:
-    """The kind of a copy chain's token: the matched order (capped at 4) and whether it is the chain's
-    first token. A chain's first token is accepted about as often as copying is going on at all; a later
+def copy_kind(order: int, first: bool, agree: int = -1) -> tuple:
+    """The kind of a copy chain's token: the matched order (capped at 4), whether it is the chain's
+    first token, and whether the target predicted the copied token where it occurred (:meth:`NGramDrafter.agreement`). A chain's first token is accepted about as often as copying is going on at all; a later
     one, given its parent was accepted, far more often (the text is being copied): one rate for both
     would make the planner verify either too little of a running copy or too much of a stray one."""
-    return (*COPY, min(int(order), 4), "first" if first else "next")
+    return (*COPY, min(int(order), 4), "first" if first else "next", int(agree))
 
 
 @dataclass
@@ -78,8 +79,8 @@ class NGramDrafter:
         self.cfg = cfg or NGramConfig()
         self.tokens: list[int] = []
         self.index: list[dict[tuple, list[int]]] = []
-        # per position p: ({token: logprob} of the target's next-token distribution at p, floor score)
-        self.scores: list[tuple[dict[int, float], float] | None] = []
+        # per position p: ({token: logprob} of the target's next-token distribution at p, floor score, its top-1)
+        self.scores: list[tuple[dict[int, float], float, int] | None] = []
         self.prompt_len = 0
         # acceptance counts per kind of child (see `scoring`), kept across prompts: kind -> [hits, seen]
         self.rates: dict[tuple, list[float]] = {}
@@ -116,14 +117,22 @@ class NGramDrafter:
                 break
             if pos >= self.prompt_len and not self.cfg.extend_cache:
                 continue
-            self.scores[pos] = (dict(zip(row_ids, row_lps)), row_lps[-1] - penalty)
+            self.scores[pos] = (dict(zip(row_ids, row_lps)), row_lps[-1] - penalty, int(row_ids[0]))
 
     def _score(self, pos: int, token: int) -> float:
         cached = self.scores[pos]
         if cached is None:
             return self.cfg.uncached_score
-        table, floor = cached
+        table, floor, _ = cached
         return table.get(token, floor)
+
+    def agreement(self, pos: int, token: int) -> int:
+        """Did the target itself predict ``token`` after position ``pos``: 1 (its top-1 there), 0 (not), -1
+        (no cached distribution at ``pos``). Under greedy decoding every emitted token agrees; a prompt token
+        agrees where the prompt is text the target would have written (code it is asked to repeat, a list
+        it continues) and not where it is the user's own wording, which the output rarely copies."""
+        cached = self.scores[pos]
+        return -1 if cached is None else int(cached[2] == token)
 
     def rate(self, kind: tuple) -> float:
         """P(a child of this kind is accepted | its parent was): observed, with a prior of weight 2."""
@@ -152,7 +161,8 @@ class NGramDrafter:
         return [(token, score) for token, score, _ in children], match
 
     def propose_kinds(self, path: list[int], m: int | None = None) -> tuple[list[tuple[int, float, tuple]], int]:
-        """:meth:`propose` with each child's kind ``(order, rank)`` (rank among its order, capped at 2)."""
+        """:meth:`propose` with each child's kind ``(order, rank, agree)``: rank among its order (capped at 2),
+        agree the best :meth:`agreement` over the occurrences that proposed it."""
         m = m or self.cfg.top_m
         toks = self.tokens
         n_max = self.cfg.max_n
@@ -168,6 +178,7 @@ class NGramDrafter:
             if not ends:
                 continue
             level: dict[int, float] = {}
+            agree: dict[int, int] = {}
             for end in ends[-self.cfg.max_occurrences :]:
                 if end >= last:  # the occurrence ending at the newest token has no continuation yet
                     continue
@@ -177,10 +188,11 @@ class NGramDrafter:
                 score = self._score(end, nxt)
                 if score > level.get(nxt, float("-inf")):
                     level[nxt] = score
+                agree[nxt] = max(agree.get(nxt, -1), self.agreement(end, nxt))
             if level:
                 match = max(match, n)
             for rank, (token, score) in enumerate(sorted(level.items(), key=lambda kv: -kv[1])):
-                kind = (n, min(rank, 2))
+                kind = (n, min(rank, 2), agree[token])
                 found.add(token)
                 out.append((token, math.log(self.rate(kind)) if calibrated else score, kind))
                 if len(out) >= m:
@@ -210,7 +222,7 @@ class NGramDrafter:
             chain = []
             for pos in range(start, min(last, start + max_len)):
                 token = toks[pos + 1]
-                kind = copy_kind(n, pos == start)
+                kind = copy_kind(n, pos == start, self.agreement(pos, token))
                 copy_score = math.log(self.rate(kind))
                 chain.append((token, copy_score if calibrated else max(self._score(pos, token), copy_score), kind))
             return chain

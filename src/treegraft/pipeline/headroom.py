@@ -30,7 +30,8 @@ import pandas as pd
 from ..models.runtime import curve_at
 from ..stats import bootstrap_weights, interval, ratio_of_sums
 
-__all__ = ["POLICIES", "NGramIndex", "curve_cost", "replay", "fit_rates", "load_ar_records", "headroom"]
+__all__ = ["POLICIES", "NGramIndex", "curve_cost", "replay", "fit_rates", "load_ar_records", "load_bench_records",
+           "headroom"]
 
 POLICIES = ("hindsight_any", "hindsight_chain", "calibrated_chain")
 
@@ -155,7 +156,28 @@ def fit_rates(examples: list[tuple[list[int], list[int]]], max_n: int, max_depth
     return {kind: hits[kind] / seen[kind] for kind in seen}
 
 
+def load_bench_records(out_dir: Path, method: str = "llama:ar") -> pd.DataFrame:
+    """``method``'s records from a ``scripts/bench_llama_engine.py`` output folder (``<out_dir>/runs``), in
+    :func:`load_ar_records`' columns (the pair is the folder's name unless the bench wrote it)."""
+    rows = []
+    for path in sorted((out_dir / "runs").glob("prompt_*.json")):
+        r = json.loads(path.read_text())
+        if "prompt_ids" not in r or method not in r["results"]:
+            raise SystemExit(f"error: {path} has no prompt_ids or no {method} record: rerun the bench at this commit")
+        res = r["results"][method]
+        rows.append({"pair": r.get("pair", out_dir.name), "benchmark": r["benchmark"], "question_id": r["question_id"],
+                     "prompt": r["prompt_ids"], "output": res["tokens"], "prefill_s": res["prefill_time_s"],
+                     "wall_s": res["wall_time_s"], "cpu": r["key"]["cpu"], "runtime": method})
+    if not rows:
+        raise SystemExit(f"error: no prompt records under {out_dir / 'runs'}: expected a bench_llama_engine.py --out-dir")
+    return pd.DataFrame(rows)
+
+
 def load_ar_records(run: Path, pair: str | None) -> pd.DataFrame:
+    """The ``ar`` records of an evaluate run (``outputs/pipeline/<experiment>``) or of a bench folder
+    (:func:`load_bench_records`)."""
+    if (run / "runs").is_dir():
+        return load_bench_records(run)
     rows = []
     for path in sorted((run / "evaluate").glob("*/*/ar.jsonl")):
         for line in path.read_text().splitlines():
@@ -173,26 +195,46 @@ def load_ar_records(run: Path, pair: str | None) -> pd.DataFrame:
 
 
 def headroom(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max_depth: int = 8,
-             n_resamples: int = 2000) -> pd.DataFrame:
-    """One row per (policy, benchmark or 'all'): decode-only and end-to-end speedup over ar with CIs."""
+             n_resamples: int = 2000, decoders: dict[str, pd.DataFrame] | None = None) -> pd.DataFrame:
+    """One row per (policy, benchmark or 'all'): decode-only and end-to-end speedup over ar with CIs.
+
+    ``decoders``: name -> a decoder's measured records on the same prompts (``prefill_s``, ``wall_s``, in the
+    order of ``records``, as :func:`load_bench_records` gives them): a row each with its measured speedups and
+    the fraction of ``hindsight_any``'s end-to-end gain it reaches, (x - 1) / (bound - 1), CI paired with the
+    bound's over the same resamples."""
     costs = [curve_cost(curve, k + 1) / curve_cost(curve, 1) for k in range(max_depth + 1)]
     examples = list(zip(records["prompt"], records["output"]))
     rates = fit_rates(examples, max_n, max_depth)
     ar_decode = (records["wall_s"] - records["prefill_s"]).to_numpy(np.float64)
     prefill = records["prefill_s"].to_numpy(np.float64)
     tokens = records["output"].map(len).to_numpy(np.float64)
-    out = []
+    # every policy's and decoder's per-prompt decode seconds and prefill seconds
+    timed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for policy in POLICIES:
         units = np.array([replay(p, o, policy, costs, max_n, max_depth, rates)[1] for p, o in examples])
-        decode = ar_decode * units / tokens  # ar's seconds per token times the policy's cost in t(1) units
+        timed[policy] = (ar_decode * units / tokens, prefill)  # ar's seconds per token times the policy's t(1) units
+    for name, rec in (decoders or {}).items():
+        if len(rec) != len(records) or list(rec["question_id"]) != list(records["question_id"]):
+            raise ValueError(f"decoder {name!r}: its records are not the ar records' prompts in order")
+        rec_prefill = rec["prefill_s"].to_numpy(np.float64)
+        timed[name] = (rec["wall_s"].to_numpy(np.float64) - rec_prefill, rec_prefill)
+    out = []
+    for name, (decode, pre) in timed.items():
         for bench, mask in [("all", np.ones(len(records), bool)),
                             *((b, (records["benchmark"] == b).to_numpy()) for b in sorted(records["benchmark"].unique()))]:
             strata = records["benchmark"][mask].tolist()
             w = bootstrap_weights(strata, n_resamples)
+            ar_total = ar_decode[mask] + prefill[mask]
             dec = interval(ratio_of_sums(ar_decode[mask], decode[mask]), w)
-            e2e = interval(ratio_of_sums(ar_decode[mask] + prefill[mask], decode[mask] + prefill[mask]), w)
-            out.append({"policy": policy, "benchmark": bench, "decode x ar": dec.format(),
-                        "end to end x ar": e2e.format(), "n": dec.n,
+            e2e = interval(ratio_of_sums(ar_total, decode[mask] + pre[mask]), w)
+            bound_decode = timed["hindsight_any"][0][mask]
+
+            def fraction(wt, d=decode[mask] + pre[mask], bound=bound_decode + prefill[mask], a=ar_total):
+                return ((wt @ a) / (wt @ d) - 1) / ((wt @ a) / (wt @ bound) - 1)
+
+            out.append({"policy": name, "benchmark": bench, "decode x ar": dec.format(),
+                        "end to end x ar": e2e.format(), "of the bound's gain": interval(fraction, w).format("{:.0%}"),
+                        "n": dec.n,
                         "prefill share of ar": f"{prefill[mask].sum() / (ar_decode[mask] + prefill[mask]).sum():.2f}"})
     return pd.DataFrame(out)
 
