@@ -95,7 +95,8 @@ def test_copy_chain_follows_the_most_recent_occurrence_of_the_longest_match():
 
 def test_calibrated_scores_are_observed_acceptance_rates():
     ctx = [1, 2, 3, 9, 2, 3, 7, 5, 3, 8, 1, 2]
-    drafter = NGramDrafter(NGramConfig(max_n=3, top_m=3, scoring="calibrated"))
+    # the shared rates alone (test_a_prompt_whose_children_fail... covers the prompt's factor)
+    drafter = NGramDrafter(NGramConfig(max_n=3, top_m=3, scoring="calibrated", prompt_prior=None))
     drafter.reset(ctx, *scores_for(len(ctx) - 1, {2: {9: -1.0}, 5: {7: -0.3}, 8: {8: -0.4}}))
     children, _ = drafter.propose_kinds([3])
     # each proposed token is the target's own top-1 where it occurred: agreement 1
@@ -125,3 +126,24 @@ def test_a_kind_says_whether_the_target_predicted_the_token_where_it_occurred():
     assert drafter.copy_chain_kinds([])[0][2] == copy_kind(2, True, 0)
     drafter.observe([((2, 0, 1), True)] * 6 + [((2, 1, 0), False)] * 6)
     assert drafter.rate((2, 0, 1)) > 0.3 > drafter.rate((2, 1, 0))  # the agreement is learned apart
+
+
+def test_a_prompt_whose_children_fail_lowers_every_rate_until_the_next_prompt():
+    ctx = [4, 5, 6, 4, 5]
+    drafter = NGramDrafter(NGramConfig(max_n=2, top_m=3, prompt_prior=4.0))
+    drafter.reset(ctx, *scores_for(4, {}))
+    kind = (2, 0, 0)
+    assert drafter.rate(kind) == pytest.approx(0.3)  # the prior, nothing observed
+    drafter.observe([(kind, False)] * 4)  # expected 0.3 each before any count: 1.2 + shared counts moving
+    shared = drafter.shared_rate(kind)
+    assert drafter.prompt_factor() < 1.0 and drafter.rate(kind) == pytest.approx(shared * drafter.prompt_factor())
+    drafter.reset(ctx, *scores_for(4, {}))
+    assert drafter.prompt_factor() == 1.0 and drafter.rate(kind) == pytest.approx(shared)  # the counts stay shared
+    drafter.observe([(kind, True)] * 8)
+    assert drafter.prompt_factor() > 1.0
+    off = NGramDrafter(NGramConfig(max_n=2, prompt_prior=None))
+    off.reset(ctx, *scores_for(4, {}))
+    off.observe([(kind, False)] * 4)
+    assert off.prompt_factor() == 1.0 and off.rate(kind) == pytest.approx(off.shared_rate(kind))
+    with pytest.raises(ValueError, match="prompt_prior"):
+        NGramConfig(prompt_prior=0.0)

@@ -63,12 +63,17 @@ class NGramConfig:
     copy_len: int = 24  # tokens of a copy chain under the root (0: none)
     copy_min_order: int = 2  # shortest matched n-gram that starts a copy chain
     scoring: str = "calibrated"  # target (cached target log-probabilities) | calibrated (observed acceptance rates)
+    # calibrated: every rate times this prompt's observed / expected acceptances, with this many expected
+    # acceptances of prior (None: rates shared by every prompt alike)
+    prompt_prior: float | None = 4.0
 
     def __post_init__(self) -> None:
         if self.max_n < 1 or self.top_m < 1:
             raise ValueError(f"ngram max_n and top_m must be >= 1, got {self.max_n}, {self.top_m}")
         if self.scoring not in ("target", "calibrated"):
             raise ValueError(f"ngram scoring must be target or calibrated, got {self.scoring!r}")
+        if self.prompt_prior is not None and self.prompt_prior <= 0:
+            raise ValueError(f"ngram prompt_prior must be > 0 or null, got {self.prompt_prior}")
 
 
 
@@ -84,6 +89,8 @@ class NGramDrafter:
         self.prompt_len = 0
         # acceptance counts per kind of child (see `scoring`), kept across prompts: kind -> [hits, seen]
         self.rates: dict[tuple, list[float]] = {}
+        # this prompt's accepted children and the sum of their kinds' rates when they were observed
+        self.prompt_hits = self.prompt_expected = 0.0
 
     def reset(self, prompt_ids: list[int], top_ids, top_logprobs) -> None:
         """Index the prompt; ``top_ids``/``top_logprobs`` [T', m] (host tensors or nested lists) are the
@@ -92,6 +99,7 @@ class NGramDrafter:
         self.index = [defaultdict(list) for _ in range(self.cfg.max_n + 1)]
         self.scores = []
         self.prompt_len = len(prompt_ids)
+        self.prompt_hits = self.prompt_expected = 0.0
         self.append(prompt_ids)
         self.set_scores(0, top_ids, top_logprobs)
 
@@ -134,18 +142,33 @@ class NGramDrafter:
         cached = self.scores[pos]
         return -1 if cached is None else int(cached[2] == token)
 
-    def rate(self, kind: tuple) -> float:
-        """P(a child of this kind is accepted | its parent was): observed, with a prior of weight 2."""
+    def shared_rate(self, kind: tuple) -> float:
+        """P(a child of this kind is accepted | its parent was), over every prompt so far: observed, with a
+        prior of weight 2."""
         hits, seen = self.rates.get(kind, (0.0, 0.0))
         if kind[: len(COPY)] == COPY:
-            prior = 0.8 if kind[-1] == "next" else 0.5
+            prior = 0.8 if kind[2] == "next" else 0.5
         else:
             prior = 0.3
         return (hits + 2 * prior) / (seen + 2)
 
+    def prompt_factor(self) -> float:
+        """How much more (> 1) or less often than its kinds' shared rates said this prompt's children were
+        accepted: (hits + c) / (expected + c), c = ``prompt_prior``. Why: how predictable a text is differs
+        by prompt (an answer restating its question, code, a free essay) more than any kind says; an essay's
+        unigram continuations are accepted half as often as the average prompt's."""
+        c = self.cfg.prompt_prior
+        return 1.0 if c is None else (self.prompt_hits + c) / (self.prompt_expected + c)
+
+    def rate(self, kind: tuple) -> float:
+        """:meth:`shared_rate` times :meth:`prompt_factor` (at most 0.99)."""
+        return min(0.99, self.shared_rate(kind) * self.prompt_factor())
+
     def observe(self, outcomes: list[tuple[tuple, bool]]) -> None:
         """Count (kind, accepted) outcomes of children whose parent was accepted."""
         for kind, hit in outcomes:
+            self.prompt_expected += self.shared_rate(kind)
+            self.prompt_hits += float(hit)
             counts = self.rates.setdefault(kind, [0.0, 0.0])
             counts[0] += float(hit)
             counts[1] += 1.0
