@@ -11,11 +11,7 @@ as EAGLE-2 ranks its tree by confidence):
 * ``t_verify(n)`` is the target's measured verification curve (a forward over n tree rows on a real
   KV cache, the engine's ``verify_curve``), cached per machine, model and runtime,
   and rescaled online by the ratio of observed verification times to the curve (longer contexts,
-  machine drift), per budget once a budget has been verified a few times: the curve is measured on a
-  bare chain, and what a turn adds to it (its own tree's KV bookkeeping, reading the rows' logits, the
-  engine's graph for another row count) is not the same share at every size (llama.cpp on a Zen 5:
-  t(2) / t(1) 1.23 on the curve, 1.34 in the turns, so one-node trees looked worth verifying at 25%
-  acceptance when they needed 34%);
+  machine drift);
 * ``t_draft`` is the median, over the last ``draft_window`` turns, of everything in a turn but the
   verification forward (a median: a one-off such as the middle drafter's prompt catch-up, 15 s for a
   612-token article on a Zen 1 EPYC, would hold a running mean up for dozens of turns, and a large
@@ -132,22 +128,11 @@ class BudgetPlanner:
     draft_window: int = 9  # turns the median covers
     recent_draft: list[float] = field(default_factory=list)
     verify_scale: float = 1.0  # running mean of observed / curve verification time
-    budget_scale: dict[int, float] = field(default_factory=dict)  # the same per budget B
-    budget_seen: dict[int, int] = field(default_factory=dict)  # turns verified at each B
-    budget_prior: float = 3.0  # turns' weight of verify_scale in a budget's own scale
     planned: float = 8.0  # running mean of the chosen B (the planning budget of the next construction)
     decay: float = 0.9
 
-    def scale(self, budget: int) -> float:
-        """Observed / curve time at ``budget``: its own running ratio, shrunk toward every budget's by
-        ``budget_prior`` turns (a budget seldom verified follows the others)."""
-        seen = self.budget_seen.get(budget, 0)
-        if not seen:
-            return self.verify_scale
-        return (seen * self.budget_scale[budget] + self.budget_prior * self.verify_scale) / (seen + self.budget_prior)
-
     def verify_s(self, budget: int) -> float:
-        return self.scale(budget) * curve_at(self.curve, budget + 1)
+        return self.verify_scale * curve_at(self.curve, budget + 1)
 
     def expected_al(self, tree: DraftTree, order: list[int] | None = None) -> list[float]:
         """E[AL(B)] for B = 0 .. min(len(order), max_budget)."""
@@ -176,12 +161,7 @@ class BudgetPlanner:
         """Fold in one turn's chosen B, its measured verification forward and everything else."""
         expected = curve_at(self.curve, budget + 1)
         if expected > 0 and verify_s > 0:
-            ratio = verify_s / expected
-            self.verify_scale = self.decay * self.verify_scale + (1 - self.decay) * ratio
-            seen = self.budget_seen.get(budget, 0)
-            own = self.budget_scale.get(budget, ratio)
-            self.budget_scale[budget] = own + (ratio - own) / min(seen + 1, 10)  # a mean, then a running one
-            self.budget_seen[budget] = seen + 1
+            self.verify_scale = self.decay * self.verify_scale + (1 - self.decay) * (verify_s / expected)
         self.recent_draft = (self.recent_draft + [float(other_s)])[-self.draft_window:]
         self.draft_s = statistics.median(self.recent_draft)
         self.planned = self.decay * self.planned + (1 - self.decay) * budget
