@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from treegraft.pipeline.headroom import NGramIndex, curve_cost, headroom, load_ar_records, replay
+from treegraft.pipeline.headroom import NGramIndex, curve_cost, headroom, load_ar_records, load_bench_records, replay
 
 # the prompt ends in 0, and 0 was followed by 1 .. 9 earlier: the output 1 .. 9 is one long copy
 PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0]
@@ -71,3 +71,26 @@ def test_records_without_prompt_ids_fail_with_the_file_named(tmp_path):
     (path / "ar.jsonl").write_text(json.dumps({"pair": "p", "benchmark": "b", "question_id": 1, "tokens": [1]}) + "\n")
     with pytest.raises(SystemExit, match="ar.jsonl has no prompt_ids"):
         load_ar_records(tmp_path, None)
+
+
+def test_a_measured_decoder_is_placed_against_the_bound_and_bench_folders_are_read(tmp_path):
+    """Copy prompts on a flat curve: the bound is 5x end to end; a decoder that took 4 s of decoding where ar
+    took 9 (prefill 1 s each) is (9 + 1) / (4 + 1) = 2x, a quarter of the bound's gain (1 / 4)."""
+    runs = tmp_path / "pair_x" / "runs"
+    runs.mkdir(parents=True)
+    for i in range(2):
+        ar = {"tokens": COPY, "prefill_time_s": 1.0, "wall_time_s": 10.0}
+        fast = {"tokens": COPY, "prefill_time_s": 1.0, "wall_time_s": 5.0}
+        (runs / f"prompt_{i:03d}.json").write_text(json.dumps(
+            {"key": {"cpu": "x"}, "benchmark": "b", "question_id": i, "prompt_ids": PROMPT,
+             "results": {"llama:ar": ar, "llama:all_small": fast}}))
+    records = load_ar_records(tmp_path / "pair_x", None)  # a bench folder: its runs/
+    assert list(records["pair"]) == ["pair_x"] * 2 and records["output"][0] == COPY
+    table = headroom(records, {1: 0.05, 8: 0.05, 16: 0.05}, max_n=3, max_depth=8, n_resamples=50,
+                     decoders={"llama:all_small": load_bench_records(tmp_path / "pair_x", "llama:all_small")})
+    row = table[(table["policy"] == "llama:all_small") & (table["benchmark"] == "all")].iloc[0]
+    assert row["end to end x ar"].startswith("2.00") and row["of the bound's gain"].startswith("25%")
+    bound = table[(table["policy"] == "hindsight_any") & (table["benchmark"] == "all")].iloc[0]
+    assert bound["of the bound's gain"].startswith("100%")
+    with pytest.raises(SystemExit, match="no prompt_ids or no llama:treegraft record"):
+        load_bench_records(tmp_path / "pair_x", "llama:treegraft")
