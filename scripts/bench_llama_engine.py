@@ -75,13 +75,23 @@ TOOL_DRAFT_FLAG = {"ngram-simple": "--spec-ngram-simple-size-m", "ngram-map-k": 
 class ToolPeer:
     """Stock llama.cpp's own decoding on one prompt: ``llama-completion`` (``plain``) or
     ``llama-speculative-simple --spec-type <kind>`` with a draft length N (``<kind>:N``; ``draft-simple:N:P``
-    also sets ``--spec-draft-p-min P``), the tools built by scripts/bench_llamacpp.py from the same source
+    also sets ``--spec-draft-p-min P``), each optionally with ``+nr`` (``--no-repack``: the weights as loaded) and
+    ``+fa=on|off|auto`` (flash attention), the tools built by scripts/bench_llamacpp.py from the same source
     package (stock build: repacked weights, its default attention; AMX off where the CPU has it). Times are the
     tools' own: the prompt's (``prompt eval time`` / ``encoded``) and the decoding's (``eval time`` /
     ``decoded``); end to end is their sum, without loading the models (our decoders' times exclude it too)."""
 
     def __init__(self, spec: str, bins: Path, target: Path, draft: Path, threads: int, work: Path):
-        parts = spec.split(":")
+        base, *mods = spec.split("+")
+        self.flags: list[str] = []
+        for mod in mods:
+            if mod == "nr":
+                self.flags.append("--no-repack")
+            elif mod in ("fa=on", "fa=off", "fa=auto"):
+                self.flags += ["-fa", mod[3:]]
+            else:
+                raise ValueError(f"tool method {spec!r}: modifier {mod!r} is not nr or fa=on|off|auto")
+        parts = base.split(":")
         self.kind = parts[0]
         if self.kind not in TOOL_KINDS:
             raise ValueError(f"tool method {spec!r}: expected plain or <kind>:<n_max> with kind one of "
@@ -102,7 +112,7 @@ class ToolPeer:
         prompt = self.work / "prompt.txt"
         prompt.write_text(text)
         common = ["-m", str(self.target), "-f", str(prompt), "-n", str(max_new_tokens), "--temp", "0",
-                  "-t", str(self.threads), "--seed", "0"]
+                  "-t", str(self.threads), "--seed", "0", *self.flags]
         if self.kind == "plain":
             cmd = [str(self.bins / "llama-completion"), *common, "-no-cnv"]
         else:

@@ -41,6 +41,7 @@ def test_plain_reads_the_prompt_and_the_decoding_times(tmp_path):
     ("draft-simple:8:0.6", ["--spec-type draft-simple", "--spec-draft-n-max 8", "-md d.gguf", "--spec-draft-p-min 0.6"]),
     ("ngram-mod:12", ["--spec-type ngram-mod", "--spec-ngram-mod-n-max 12"]),
     ("ngram-map-k:6", ["--spec-type ngram-map-k", "--spec-ngram-map-k-size-m 6"]),
+    ("ngram-mod:8+nr+fa=off", ["--spec-ngram-mod-n-max 8", "--no-repack", "-fa off"]),
 ])
 def test_each_speculative_mode_gets_its_own_draft_length_flag(tmp_path, spec, flags):
     r = _peer(spec, tmp_path).generate("hello", 128)
@@ -49,7 +50,7 @@ def test_each_speculative_mode_gets_its_own_draft_length_flag(tmp_path, spec, fl
     assert (r["n_tokens"], r["prefill_time_s"], r["decode_s"]) == (128, 0.3, 3.2)
 
 
-@pytest.mark.parametrize("spec", ["plain:4", "ngram-simple", "magic:4", "ngram-mod:4:0.5", "draft-simple:x"])
+@pytest.mark.parametrize("spec", ["plain:4", "ngram-simple", "magic:4", "ngram-mod:4:0.5", "draft-simple:x", "plain+fast"])
 def test_a_bad_mode_is_refused_in_one_line(tmp_path, spec):
     with pytest.raises(ValueError, match="tool method"):
         _peer(spec, tmp_path)
