@@ -18,8 +18,7 @@ Scoring (``scoring``): ``target`` is the paper's (the cached target log-probabil
 copied tokens score at least the log of the copy rate. ``calibrated`` (our addition) scores a child by
 the log of the rate at which children of its kind were accepted when their parent was: the kind is
 (matched order, rank among that order's proposals, whether the target predicted the token where it
-occurred, how many occurrences proposed it, whether they all did) or ``copy`` (with the same agreement),
-counted from every turn and shrunk toward its coarser kinds
+occurred) or ``copy`` (with the same agreement), counted from every turn
 (:meth:`observe`; prior 0.3, copies 0.5). Why: the cached score says how likely the target found a
 token *where it occurred*, which is a poor guide to whether it follows *now*: a unigram match's
 continuation is usually wrong however confident the target was there, and an identifier copied from
@@ -143,25 +142,15 @@ class NGramDrafter:
         cached = self.scores[pos]
         return -1 if cached is None else int(cached[2] == token)
 
-    @staticmethod
-    def _levels(kind: tuple) -> range:
-        """The prefix lengths of ``kind`` that are kinds of their own, coarsest first: an n-gram child's
-        (order,), (order, rank), ...; a copy token's from (copy, order, first|next) on."""
-        return range(3 if kind[: len(COPY)] == COPY else 1, len(kind) + 1)
-
     def shared_rate(self, kind: tuple) -> float:
-        """P(a child of this kind is accepted | its parent was), over every prompt so far, shrunk level by
-        level: each prefix of the kind is its observed rate with the coarser prefix's as a prior of weight 2
-        (the coarsest's prior: 0.3; copies 0.5, a running copy 0.8), so a kind seen a few times leans on
-        its order and rank and a kind seen often speaks for itself."""
+        """P(a child of this kind is accepted | its parent was), over every prompt so far: observed, with a
+        prior of weight 2."""
+        hits, seen = self.rates.get(kind, (0.0, 0.0))
         if kind[: len(COPY)] == COPY:
-            rate = 0.8 if kind[2] == "next" else 0.5
+            prior = 0.8 if kind[2] == "next" else 0.5
         else:
-            rate = 0.3
-        for length in self._levels(kind):
-            hits, seen = self.rates.get(kind[:length], (0.0, 0.0))
-            rate = (hits + 2 * rate) / (seen + 2)
-        return rate
+            prior = 0.3
+        return (hits + 2 * prior) / (seen + 2)
 
     def prompt_factor(self) -> float:
         """How much more (> 1) or less often than its kinds' shared rates said this prompt's children were
@@ -180,10 +169,9 @@ class NGramDrafter:
         for kind, hit in outcomes:
             self.prompt_expected += self.shared_rate(kind)
             self.prompt_hits += float(hit)
-            for length in self._levels(kind):
-                counts = self.rates.setdefault(kind[:length], [0.0, 0.0])
-                counts[0] += float(hit)
-                counts[1] += 1.0
+            counts = self.rates.setdefault(kind, [0.0, 0.0])
+            counts[0] += float(hit)
+            counts[1] += 1.0
 
     def propose(self, path: list[int], m: int | None = None) -> tuple[list[tuple[int, float]], int]:
         """Up to ``m`` (token, score) children for the node whose path below the root is ``path``.
@@ -196,10 +184,8 @@ class NGramDrafter:
         return [(token, score) for token, score, _ in children], match
 
     def propose_kinds(self, path: list[int], m: int | None = None) -> tuple[list[tuple[int, float, tuple]], int]:
-        """:meth:`propose` with each child's kind ``(order, rank, agree, support, unanimous)``: rank among its
-        order (capped at 2), agree the best :meth:`agreement` over the occurrences that proposed it, support
-        how many occurrences did (capped at 3), unanimous whether every occurrence of the n-gram was followed
-        by this one token."""
+        """:meth:`propose` with each child's kind ``(order, rank, agree)``: rank among its order (capped at 2),
+        agree the best :meth:`agreement` over the occurrences that proposed it."""
         m = m or self.cfg.top_m
         toks = self.tokens
         n_max = self.cfg.max_n
@@ -216,27 +202,20 @@ class NGramDrafter:
                 continue
             level: dict[int, float] = {}
             agree: dict[int, int] = {}
-            support: dict[int, int] = {}  # occurrences followed by the token
-            followers: set[int] = set()  # every continuation at this order, proposed higher up or not
             for end in ends[-self.cfg.max_occurrences :]:
                 if end >= last:  # the occurrence ending at the newest token has no continuation yet
                     continue
                 nxt = toks[end + 1]
-                followers.add(nxt)
                 if nxt in found:
                     continue
                 score = self._score(end, nxt)
                 if score > level.get(nxt, float("-inf")):
                     level[nxt] = score
                 agree[nxt] = max(agree.get(nxt, -1), self.agreement(end, nxt))
-                support[nxt] = support.get(nxt, 0) + 1
             if level:
                 match = max(match, n)
-            # calibrated: the most frequent continuation first (SuffixDecoding's frequency scoring), the
-            # target's cached score between equals; target: the paper's order, by the cached score
-            key = (lambda kv: (-support[kv[0]], -kv[1])) if calibrated else (lambda kv: -kv[1])
-            for rank, (token, score) in enumerate(sorted(level.items(), key=key)):
-                kind = (n, min(rank, 2), agree[token], min(support[token], 3), len(followers) == 1)
+            for rank, (token, score) in enumerate(sorted(level.items(), key=lambda kv: -kv[1])):
+                kind = (n, min(rank, 2), agree[token])
                 found.add(token)
                 out.append((token, math.log(self.rate(kind)) if calibrated else score, kind))
                 if len(out) >= m:
