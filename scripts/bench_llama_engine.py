@@ -122,7 +122,8 @@ class ToolPeer:
                 cmd += [TOOL_DRAFT_FLAG[self.kind], str(self.n_max)]
             if self.kind == "draft-simple":
                 cmd += ["-md", str(self.draft)] + (["--spec-draft-p-min", str(self.p_min)] if self.p_min is not None else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        # the generated text may end inside a multi-byte character: never fail on the tool's bytes
+        proc = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8", errors="replace", timeout=1800)
         out = proc.stdout + proc.stderr
         if proc.returncode != 0:
             raise RuntimeError(f"{Path(cmd[0]).name} failed: {(proc.stderr.strip().splitlines() or ['?'])[-1]}")

@@ -54,3 +54,11 @@ def test_each_speculative_mode_gets_its_own_draft_length_flag(tmp_path, spec, fl
 def test_a_bad_mode_is_refused_in_one_line(tmp_path, spec):
     with pytest.raises(ValueError, match="tool method"):
         _peer(spec, tmp_path)
+
+
+def test_output_ending_inside_a_multibyte_character_is_read(tmp_path):
+    bins = _tools(tmp_path)
+    tool = bins / "llama-completion"  # prints a UTF-8 character cut after its first two bytes, then the timings
+    tool.write_text(f"#!/bin/sh\nprintf '\\344\\270'\ncat >&2 <<'LOG'\n{PLAIN_LOG}\nLOG\n")
+    r = ToolPeer("plain", bins, Path("t.gguf"), Path("d.gguf"), 2, tmp_path).generate("hello", 128)
+    assert r["n_tokens"] == 127
