@@ -4,7 +4,8 @@ Run:
     python scripts/bench_llama_engine.py --pair qwen-coder-1.5b__0.5b --prompts-per-benchmark 2 --max-new-tokens 64
     python scripts/bench_llama_engine.py --pair smollm2-135m__self --methods torch:ar llama:ar llama:all_small
 
-A method is ``<engine>:<method>``: ``torch`` (the PyTorch engine, ``--torch-runtime``, default: the
+A method is ``<engine>:<method>``, a tree method optionally with tree settings of its own
+(``llama:all_small+ngram.prefill_scores=false``): ``torch`` (the PyTorch engine, ``--torch-runtime``, default: the
 runtime ``runtime=auto`` picks on this machine), ``llama`` (llama.cpp, the exact default: batch-invariant
 kernels, weights not repacked) or ``llama-stock`` (llama.cpp's stock fast kernels: outputs equal to its
 own ``ar`` up to batch rounding). Every decoder is built and warmed up first; then the methods run
@@ -177,7 +178,9 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
         if exact not in pairs:
             pairs[exact] = load_llama_pair(pair_cfg.target, middle, threads=args.threads, exact=exact,
                                            n_ctx=args.n_ctx, models_dir=args.models_dir)
-        decoders[method] = decoder_for(name, pairs[exact], tree, cache_dir=args.cache_dir)
+        name, *overrides = name.split("+")  # llama:all_small+ngram.prefill_scores=false: tree settings of its own
+        settings = OmegaConf.to_container(OmegaConf.from_dotlist(overrides)) if overrides else tree
+        decoders[method] = decoder_for(name, pairs[exact], settings, cache_dir=args.cache_dir)
     tokenizer = next(iter(pairs.values())).tokenizer
     return decoders, facts, tokenizer
 

@@ -38,6 +38,23 @@ def test_greedy_equals_ar_on_tiny_pair(tiny_pair, method, middle_kind, budget):
             assert all(t["accepted"] == 0 for t in result.turns)
 
 
+def test_a_prompt_without_scores_drafts_from_the_output_alone_and_stays_exact(tiny_pair):
+    """``ngram.prefill_scores=false``: the prompt's rows are encoded without an LM head, the n-gram drafter
+    has no target scores at prompt positions (it still indexes the prompt), and the output is ``ar``'s."""
+    from treegraft.drafters import NGramConfig
+
+    tok, target = tiny_pair.tokenizer, tiny_pair.target
+    cfg = TreeConfig(method="all_small", ngram=NGramConfig(prefill_scores=False))
+    for text in PROMPTS:
+        ids = tok(text).input_ids
+        dec = tree_decoder(target, target, tok, cfg)
+        assert dec.engine.prefill(ids, 0, None) == ([[] for _ in ids[:-1]], [[] for _ in ids[:-1]])
+        result = dec.generate(ids, 48)
+        assert result.tokens == ar_tokens(target, ids, 48), text
+        assert all(dec.ngram.scores[p] is None for p in range(len(ids) - 1))  # nothing cached at the prompt
+        assert len(dec.ngram.tokens) > len(ids)  # ... which is indexed, and the output after it
+
+
 def test_same_model_middle_accepts_whole_chains(tiny_pair):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok(PROMPTS[0]).input_ids

@@ -160,13 +160,14 @@ class TreeGraftDecoder(RuntimeContext):
     def _prefill(self, prompt_ids: list[int]) -> None:
         """The target's cache over prompt[:-1] and its top-m scores there (the n-gram drafter's), the
         drafter's index, the middle drafter's context."""
-        top_ids, top_lps = self.engine.prefill(prompt_ids, self.cfg.ngram.top_m, self.cfg.ngram.prefill_vocab)
+        top_m = self.cfg.ngram.top_m if self.cfg.ngram.prefill_scores else 0
+        top_ids, top_lps = self.engine.prefill(prompt_ids, top_m, self.cfg.ngram.prefill_vocab)
         if isinstance(top_ids, torch.Tensor):  # an engine that hands back host tensors
             top_ids, top_lps = top_ids.tolist(), top_lps.float().tolist()
         if self._ngram_in_use:
             self.ngram.reset(prompt_ids, top_ids, top_lps)
         # the target's confidence on the prompt's last positions stands in for past turns' (first turn)
-        last = top_lps[-16:]
+        last = [row for row in top_lps[-16:] if len(row)]
         conf = sum(math.exp(row[0]) for row in last) / len(last) if last else 0.0
         self.turn_signals = {"recent_al": 0.0, "recent_target_conf": conf}
         if self.middle is not None:

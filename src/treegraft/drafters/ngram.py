@@ -63,6 +63,9 @@ class NGramConfig:
     copy_len: int = 24  # tokens of a copy chain under the root (0: none)
     copy_min_order: int = 2  # shortest matched n-gram that starts a copy chain
     scoring: str = "calibrated"  # target (cached target log-probabilities) | calibrated (observed acceptance rates)
+    # the target's top-m at the prompt's positions too (false: generated positions only; the prompt's rows then
+    # need no logits, which on llama.cpp is the full LM head over every prompt row)
+    prefill_scores: bool = True
     # calibrated: every rate times this prompt's observed / expected acceptances, with this many expected
     # acceptances of prior (None: rates shared by every prompt alike)
     prompt_prior: float | None = 4.0
@@ -123,6 +126,8 @@ class NGramDrafter:
             pos = start + offset
             if pos >= len(self.scores):
                 break
+            if not row_ids:  # an unscored row (a prompt encoded without logits)
+                continue
             if pos >= self.prompt_len and not self.cfg.extend_cache:
                 continue
             self.scores[pos] = (dict(zip(row_ids, row_lps)), row_lps[-1] - penalty, int(row_ids[0]))

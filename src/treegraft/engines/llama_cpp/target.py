@@ -95,6 +95,8 @@ class LlamaCppTarget:
         m.clear()
         if not self.tokens:
             return torch.zeros(0, top_m, dtype=torch.long), torch.zeros(0, top_m)
+        if top_m <= 0:
+            return self._encode_plain()
         key = (int(top_m), int(vocab) if vocab and self._frequent is not None else None)
         base = None
         if key[1] is not None:
@@ -106,7 +108,7 @@ class LlamaCppTarget:
             return self._encode_and_score(prompt_ids, {key: base})[key]
         reuse.requests.setdefault(key, base)
         saved = reuse.saved
-        if saved is not None and saved.tokens == tuple(self.tokens) and key in saved.scores:
+        if saved is not None and saved.tokens == tuple(self.tokens) and saved.scores and key in saved.scores:
             m.load_seq0(saved.state, len(self.tokens))
         else:
             t0 = now()
@@ -115,6 +117,30 @@ class LlamaCppTarget:
             saved.state = m.save_seq0()
         self.prefill_charge_s = saved.seconds - (now() - start)
         return saved.scores[key]
+
+    def _encode_plain(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt's rows without their logits (``top_m`` 0: ``ar`` reads none of them, and the LM head over
+        every row of a 190-token prompt is a sixth of its multiply work). With :class:`PromptReuse`, only a saved
+        encoding made the same way serves (one made with scores cost more, and charging it would bill ``ar`` for
+        the scores a tree method needs). Returns empty ``[P - 1, 0]`` scores."""
+        m, start = self.model, now()
+        empty = torch.zeros(len(self.tokens), 0, dtype=torch.long), torch.zeros(len(self.tokens), 0)
+        reuse = m.prompt_reuse
+        if reuse is None:
+            for _ in self._encode_prompt(logits=False):
+                pass
+            return empty
+        saved = reuse.saved
+        if saved is not None and saved.tokens == tuple(self.tokens) and not saved.scores:
+            m.load_seq0(saved.state, len(self.tokens))
+        else:
+            t0 = now()
+            for _ in self._encode_prompt(logits=False):
+                pass
+            saved = reuse.saved = SavedPrompt(tuple(self.tokens), None, now() - t0, {})
+            saved.state = m.save_seq0()
+        self.prefill_charge_s = saved.seconds - (now() - start)
+        return empty
 
     def _encode_and_score(self, prompt_ids: list[int], requests: dict) -> dict:
         """Encode the prompt's rows into the cleared cache; the top-m ids and log-probs at every row for each
@@ -134,14 +160,16 @@ class LlamaCppTarget:
                     out[key][1].append(v)
         return {key: (torch.stack(i), torch.stack(v)) for key, (i, v) in out.items()}
 
-    def _encode_prompt(self):
+    def _encode_prompt(self, logits: bool = True):
         """Decode the prompt part of the context into a cleared cache, ``n_batch`` rows at a time, every
-        row's logits requested; yields each batch's row count (its logits are readable until the next).
-        :meth:`_make_room` replays exactly these batches, so the prompt's KV comes out the same bits."""
+        row's logits requested (``logits``) or none; yields each batch's row count (its logits are readable
+        until the next). :meth:`_make_room` replays exactly these batches, so the prompt's KV comes out the same
+        bits (which rows have logits does not change the KV: llama.cpp drops the other rows only after the
+        last layer's attention)."""
         m = self.model
         for start in range(0, self._prompt_len, m.n_batch):
             chunk = self.tokens[start:min(start + m.n_batch, self._prompt_len)]
-            m.decode(chunk, list(range(start, start + len(chunk))), [[0]] * len(chunk), [True] * len(chunk),
+            m.decode(chunk, list(range(start, start + len(chunk))), [[0]] * len(chunk), [logits] * len(chunk),
                      fast=self.fast_prompt)
             yield len(chunk)
 
@@ -156,7 +184,7 @@ class LlamaCppTarget:
         if m.free_cells() >= n:
             return
         m.clear()
-        for _ in self._encode_prompt():
+        for _ in self._encode_prompt(logits=False):
             pass
         for start in range(self._prompt_len, len(self.tokens), m.n_batch):
             chunk = self.tokens[start:start + m.n_batch]
@@ -198,9 +226,9 @@ class LlamaCppTarget:
         self._leaf_seqs = []
 
     def start(self, prompt_ids: list[int]) -> torch.Tensor:
-        """The prompt's rows (shared through :class:`~.model.PromptReuse` like every prefill), then its last
-        token alone: the next token's logits [vocab]."""
-        self.prefill(prompt_ids, 1, None)
+        """The prompt's rows without logits (shared through :class:`~.model.PromptReuse` with other scoreless
+        prefills), then its last token alone: the next token's logits [vocab]."""
+        self.prefill(prompt_ids, 0, None)
         return self.step(prompt_ids[-1])
 
     def step(self, token: int) -> torch.Tensor:

@@ -80,6 +80,8 @@ class TorchTarget:
         device = self.device
         toks = device_tensor(ctx, device)
         hidden = forward_hidden(self.model, self.cache, toks, torch.arange(len(ctx), device=device), None)
+        if top_m <= 0:  # no scores asked for: no LM head over the prompt
+            return [[] for _ in ctx], [[] for _ in ctx]
         head = None
         if vocab:
             weight = head_weight(self.model)
