@@ -42,8 +42,9 @@ COPY = ("copy",)  # the kind of a copy chain's tokens (prefix of every copy kind
 
 def copy_kind(order: int, first: bool, agree: int = -1) -> tuple:
     """The kind of a copy chain's token: the matched order (capped at 4), whether it is the chain's
-    first token, and whether the target predicted the copied token where it occurred (:meth:`NGramDrafter.agreement`). A chain's first token is accepted about as often as copying is going on at all; a later
-    one, given its parent was accepted, far more often (the text is being copied): one rate for both
+    first token, and whether the target predicted the copied token where it occurred
+    (:meth:`NGramDrafter.agreement`). A chain's first token is accepted about as often as copying is going on
+    at all; a later one, given its parent was accepted, far more often (the text is being copied): one rate for both
     would make the planner verify either too little of a running copy or too much of a stray one."""
     return (*COPY, min(int(order), 4), "first" if first else "next", int(agree))
 
@@ -133,19 +134,22 @@ class NGramDrafter:
             self.scores[pos] = (dict(zip(row_ids, row_lps)), row_lps[-1] - penalty, int(row_ids[0]))
 
     def _score(self, pos: int, token: int) -> float:
+        return self._score_and_agreement(pos, token)[0]
+
+    def _score_and_agreement(self, pos: int, token: int) -> tuple[float, int]:
+        """:meth:`_score` and :meth:`agreement` from one read of the position's cache (the lookup's inner loop)."""
         cached = self.scores[pos]
         if cached is None:
-            return self.cfg.uncached_score
-        table, floor, _ = cached
-        return table.get(token, floor)
+            return self.cfg.uncached_score, -1
+        table, floor, top = cached
+        return table.get(token, floor), int(top == token)
 
     def agreement(self, pos: int, token: int) -> int:
         """Did the target itself predict ``token`` after position ``pos``: 1 (its top-1 there), 0 (not), -1
         (no cached distribution at ``pos``). Under greedy decoding every emitted token agrees; a prompt token
         agrees where the prompt is text the target would have written (code it is asked to repeat, a list
         it continues) and not where it is the user's own wording, which the output rarely copies."""
-        cached = self.scores[pos]
-        return -1 if cached is None else int(cached[2] == token)
+        return self._score_and_agreement(pos, token)[1]
 
     def shared_rate(self, kind: tuple) -> float:
         """P(a child of this kind is accepted | its parent was), over every prompt so far: observed, with a
@@ -213,10 +217,10 @@ class NGramDrafter:
                 nxt = toks[end + 1]
                 if nxt in found:
                     continue
-                score = self._score(end, nxt)
+                score, agrees = self._score_and_agreement(end, nxt)
                 if score > level.get(nxt, float("-inf")):
                     level[nxt] = score
-                agree[nxt] = max(agree.get(nxt, -1), self.agreement(end, nxt))
+                agree[nxt] = max(agree.get(nxt, -1), agrees)
             if level:
                 match = max(match, n)
             for rank, (token, score) in enumerate(sorted(level.items(), key=lambda kv: -kv[1])):

@@ -95,63 +95,44 @@ class LlamaCppTarget:
         m.clear()
         if not self.tokens:
             return torch.zeros(0, top_m, dtype=torch.long), torch.zeros(0, top_m)
-        if top_m <= 0:
-            return self._encode_plain()
-        key = (int(top_m), int(vocab) if vocab and self._frequent is not None else None)
+        empty = torch.zeros(len(self.tokens), 0, dtype=torch.long), torch.zeros(len(self.tokens), 0)
+        # top_m 0 (``ar``): no scores, so no row's logits (the LM head over every row of a 190-token prompt is
+        # a sixth of its multiply work)
+        key = (int(top_m), int(vocab) if vocab and self._frequent is not None else None) if top_m > 0 else None
         base = None
-        if key[1] is not None:
+        if key is not None and key[1] is not None:
             if key[1] not in self._prefill_bases:
                 self._prefill_bases[key[1]] = self._frequent(key[1], m.n_vocab)
             base = self._prefill_bases[key[1]]
         reuse = m.prompt_reuse
         if reuse is None:
-            return self._encode_and_score(prompt_ids, {key: base})[key]
-        reuse.requests.setdefault(key, base)
+            scores = self._encode_and_score(prompt_ids, {key: base} if key else {})
+            return scores[key] if key else empty
+        if key is not None:
+            reuse.requests.setdefault(key, base)
         saved = reuse.saved
-        if saved is not None and saved.tokens == tuple(self.tokens) and saved.scores and key in saved.scores:
+        # a saved encoding serves only a prefill that asks for what it computed: one made with scores cost more,
+        # and restoring it for ``ar`` would charge ``ar`` for the scores a tree method needs
+        if saved is not None and saved.tokens == tuple(self.tokens) and (key in saved.scores if key else not saved.scores):
             m.load_seq0(saved.state, len(self.tokens))
         else:
             t0 = now()
-            scores = self._encode_and_score(prompt_ids, dict(reuse.requests))
+            scores = self._encode_and_score(prompt_ids, dict(reuse.requests) if key else {})
             saved = reuse.saved = SavedPrompt(tuple(self.tokens), None, now() - t0, scores)
             saved.state = m.save_seq0()
         self.prefill_charge_s = saved.seconds - (now() - start)
-        return saved.scores[key]
-
-    def _encode_plain(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prompt's rows without their logits (``top_m`` 0: ``ar`` reads none of them, and the LM head over
-        every row of a 190-token prompt is a sixth of its multiply work). With :class:`PromptReuse`, only a saved
-        encoding made the same way serves (one made with scores cost more, and charging it would bill ``ar`` for
-        the scores a tree method needs). Returns empty ``[P - 1, 0]`` scores."""
-        m, start = self.model, now()
-        empty = torch.zeros(len(self.tokens), 0, dtype=torch.long), torch.zeros(len(self.tokens), 0)
-        reuse = m.prompt_reuse
-        if reuse is None:
-            for _ in self._encode_prompt(logits=False):
-                pass
-            return empty
-        saved = reuse.saved
-        if saved is not None and saved.tokens == tuple(self.tokens) and not saved.scores:
-            m.load_seq0(saved.state, len(self.tokens))
-        else:
-            t0 = now()
-            for _ in self._encode_prompt(logits=False):
-                pass
-            saved = reuse.saved = SavedPrompt(tuple(self.tokens), None, now() - t0, {})
-            saved.state = m.save_seq0()
-        self.prefill_charge_s = saved.seconds - (now() - start)
-        return empty
+        return saved.scores[key] if key else empty
 
     def _encode_and_score(self, prompt_ids: list[int], requests: dict) -> dict:
         """Encode the prompt's rows into the cleared cache; the top-m ids and log-probs at every row for each
         request ``(top_m, vocab) -> base``: over the full vocabulary (no base) or over the base plus the
-        prompt's own tokens."""
+        prompt's own tokens. No request: the rows are encoded without logits, and the answer is ``{}``."""
         m = self.model
         subsets = {key: None if base is None else torch.unique(torch.cat([base, torch.tensor(prompt_ids, dtype=torch.long)]))
                    for key, base in requests.items()}
         out = {key: ([], []) for key in requests}
-        for rows in self._encode_prompt():
-            for i in range(rows):
+        for rows in self._encode_prompt(logits=bool(requests)):
+            for i in range(rows if requests else 0):  # rows without logits have none to read
                 logits = m.logits(i)
                 for key, ids in subsets.items():
                     logp = _subset_log_softmax(logits, ids)
