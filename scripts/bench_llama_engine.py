@@ -152,7 +152,7 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
 
     tree = None  # TreeConfig's defaults: conf/tree/default.yaml's (test_configs keeps them equal)
     middle = pair_cfg.middle
-    pairs, decoders, facts = {}, {}, {"build": installed_build()}
+    pairs, decoders, facts = {}, {}, {"build": installed_build(), "middle_weights": args.middle_weights}
     for method in methods:
         engine, name = method.split(":", 1)
         if engine == "tool":
@@ -177,7 +177,8 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
         exact = engine == "llama"
         if exact not in pairs:
             pairs[exact] = load_llama_pair(pair_cfg.target, middle, threads=args.threads, exact=exact,
-                                           n_ctx=args.n_ctx, models_dir=args.models_dir)
+                                           n_ctx=args.n_ctx, models_dir=args.models_dir,
+                                           middle_weights=args.middle_weights)
         name, *overrides = name.split("+")  # llama:all_small+ngram.prefill_scores=false: tree settings of its own
         settings = OmegaConf.to_container(OmegaConf.from_dotlist(overrides)) if overrides else tree
         decoders[method] = decoder_for(name, pairs[exact], settings, cache_dir=args.cache_dir)
@@ -271,6 +272,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads and torch threads")
     parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--middle-weights", default="file", choices=["file", "q4_0"],
+                        help="llama.cpp's middle drafter: its file as is, or requantized to Q4_0 on stock kernels")
     parser.add_argument("--torch-runtime", default="auto")
     parser.add_argument("--benchmarks-dir", default=None)
     parser.add_argument("--models-dir", default=None)
@@ -344,7 +347,8 @@ def main() -> int:
     runs = out_dir / "runs"
     key = {"prompts": hashlib.sha256(json.dumps([p[2] for p in prompts]).encode()).hexdigest()[:16],
            "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": cpu_line(),
-           "build": facts["build"], "torch_runtime": facts.get("torch_runtime")}
+           "build": facts["build"], "torch_runtime": facts.get("torch_runtime"),
+           **({"middle_weights": args.middle_weights} if args.middle_weights != "file" else {})}
 
     def saved(i: int) -> dict:
         record = read_json(runs / f"prompt_{i:03d}.json", {})

@@ -46,16 +46,23 @@ ENGINES = ("torch", "llama_cpp", "auto")
 @dataclass(frozen=True)
 class EngineSettings:
     """The ``engine`` group: ``name`` (torch | llama_cpp | auto), llama.cpp's ``exact`` kernels,
-    ``threads`` (an int or ``auto``) and ``n_ctx``."""
+    ``threads`` (an int or ``auto``), ``n_ctx`` and llama.cpp's ``middle_weights`` (``file`` | ``q4_0``:
+    :func:`~treegraft.engines.llama_cpp.load_llama_pair`)."""
 
     name: str = "torch"
     exact: bool = True
     threads: int | str = "auto"
     n_ctx: int = 4096
+    middle_weights: str = "file"
 
     def __post_init__(self):
+        from .engines.llama_cpp.requant import MIDDLE_WEIGHTS
+
         if self.name not in ENGINES:
             raise ValueError(f"unknown engine {self.name!r}; expected one of {', '.join(ENGINES)}")
+        if self.middle_weights not in MIDDLE_WEIGHTS:
+            raise ValueError(f"unknown engine.middle_weights {self.middle_weights!r}; expected one of "
+                             f"{', '.join(MIDDLE_WEIGHTS)}")
 
     @classmethod
     def of(cls, cfg: Any) -> "EngineSettings":
@@ -65,7 +72,7 @@ class EngineSettings:
             return raw
         raw = dict(raw) if raw is not None else {}
         return cls(name=raw.get("name", "torch"), exact=bool(raw.get("exact", True)), threads=raw.get("threads", "auto"),
-                   n_ctx=int(raw.get("n_ctx", 4096)))
+                   n_ctx=int(raw.get("n_ctx", 4096)), middle_weights=str(raw.get("middle_weights", "file")))
 
 
 def _is_gguf_source(source: str | None) -> bool:
@@ -109,9 +116,11 @@ def load_engine_pair(spec: PairSpec, settings: Any, log: Callable[[str], None] =
         raise ValueError(f"engine=llama_cpp cannot run pair {spec.name!r}: {why}")
     paths = settings.paths
     pair = load_llama_pair(spec.target, spec.middle or spec.target, threads=eng.threads, exact=eng.exact,
-                           n_ctx=eng.n_ctx, models_dir=paths.models_dir)
+                           n_ctx=eng.n_ctx, models_dir=paths.models_dir, middle_weights=eng.middle_weights)
     pair.spec = spec
     pair.runtime = pair.middle_runtime = f"llama.cpp {'exact' if eng.exact else 'stock'}"
+    if eng.middle_weights != "file":
+        pair.middle_runtime = f"llama.cpp stock {eng.middle_weights}"
     pair.engine = {**LlamaEngines(pair).info(), **({"engine_choice": choice} if choice else {})}
     log(f"{spec.name}: engine llama.cpp ({pair.runtime}, {pair.target.threads} threads)")
     return pair

@@ -60,6 +60,9 @@ class TreeConfig:
         grows with B_ver, not with W * m * D.
     draft_vocab: size K of the middle drafter's restricted draft vocabulary (the K most frequent
         tokens plus the context's, :mod:`treegraft.drafters.vocab`); None = the full vocabulary.
+    middle_scope: with ``shape=auto``, at most this many nodes (in pruning order, root aside) a middle step
+        rescores and may graft under, whatever B_ver's scope: on a CPU every scope node is a row of the
+        middle drafter's call (None = B_ver's ``2 * B + W``).
     node_cap: construction stops adding nodes past this many.
     schedule: the fixed schedule (1 = call the middle drafter, 0 = skip) of ``fixed`` and the ablations.
     grafting / expanded_selection: override the method's preset (``nondestructive|destructive``, bool).
@@ -88,6 +91,7 @@ class TreeConfig:
     call_backoff: bool = True
     shape: str = "auto"
     draft_vocab: int | None = None
+    middle_scope: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.ngram, dict):
@@ -109,6 +113,8 @@ class TreeConfig:
             raise ValueError(f"shape must be auto or paper, got {self.shape!r}")
         if self.draft_vocab is not None and int(self.draft_vocab) < 1:
             raise ValueError(f"draft_vocab must be a positive size or null, got {self.draft_vocab!r}")
+        if self.middle_scope is not None and int(self.middle_scope) < 1:
+            raise ValueError(f"middle_scope must be a positive number of nodes or null, got {self.middle_scope!r}")
 
     @classmethod
     def paper(cls, **overrides) -> "TreeConfig":

@@ -155,6 +155,8 @@ class TreeGraftDecoder(RuntimeContext):
             width, top_m, scope = self.cfg.width, self.cfg.top_m, None
         else:
             width, top_m, scope = auto_shape(budget, self.cfg.width, self.cfg.top_m)
+            if self.cfg.middle_scope is not None:
+                scope = min(scope, int(self.cfg.middle_scope))
         return TurnPlan(budget, width, top_m, scope, budget if self.cfg.skip_beyond_budget else None)
 
     def _prefill(self, prompt_ids: list[int]) -> None:

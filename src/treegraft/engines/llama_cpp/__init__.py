@@ -2,8 +2,8 @@
 
 ``model.py`` holds the model and context (KV sequence ops, batched decode, saved prompts), ``target.py``
 the target (a tree verified in one multi-sequence batch), ``drafter.py`` the middle drafter (its tree
-encoded incrementally), ``costs.py`` this engine's cost curve, ``pair.py`` loading a GGUF pair and its
-:class:`LlamaEngines`; ``build.py`` builds the pinned, patched library (``make llamacpp``, ``patches/``)
+encoded incrementally), ``costs.py`` this engine's cost curve, ``head.py`` the middle drafter's LM head over its draft
+vocabulary, ``requant.py`` its Q4_0 weights, ``pair.py`` loading a GGUF pair and its :class:`LlamaEngines`; ``build.py`` builds the pinned, patched library (``make llamacpp``, ``patches/``)
 and ``check.py`` checks batch invariance. Importing this package does not import llama_cpp: that
 happens when a model is loaded.
 """

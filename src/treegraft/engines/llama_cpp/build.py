@@ -172,6 +172,23 @@ PATCHES: list[tuple[str, str, str]] = [
      "        chunk_size = 64;  // treegraft: see bi_kquants_x86.c\n"
      "    }\n"
      "#endif\n"),
+    # a Qwen2 or Llama context with embeddings on and no pooling returns the final norm's hidden states without the
+    # LM head (t_logits null: llama_decode then fills no logits): the middle drafter's own head reads only
+    # its draft vocabulary, and the full head was a third of a one-row 0.5B call (HIDDEN_STATE_ARCHS)
+    ("vendor/llama.cpp/src/models/qwen2.cpp",
+     "    res->t_embd = cur;\n\n    // lm_head\n    cur = build_lora_mm(model.output, cur, model.output_s);\n\n"
+     "    if (model.output_b != nullptr) {\n        cur = ggml_add(ctx0, cur, model.output_b);\n    }\n"
+     "    cb(cur, \"result_output\", -1);\n    res->t_logits = cur;\n",
+     "    res->t_embd = cur;\n\n"
+     "    if (!(cparams.embeddings && pooling_type == LLAMA_POOLING_TYPE_NONE)) {  // treegraft: hidden states only\n"
+     "    // lm_head\n    cur = build_lora_mm(model.output, cur, model.output_s);\n\n"
+     "    if (model.output_b != nullptr) {\n        cur = ggml_add(ctx0, cur, model.output_b);\n    }\n"
+     "    cb(cur, \"result_output\", -1);\n    res->t_logits = cur;\n"
+     "    }\n"),
+    ("vendor/llama.cpp/src/models/llama.cpp",
+     "    if constexpr (!embed) {\n        // lm_head\n",
+     "    if (!embed && !(cparams.embeddings && pooling_type == LLAMA_POOLING_TYPE_NONE)) {  // treegraft: hidden states only\n"
+     "        // lm_head\n"),
     (GGML + "src/ggml-cpu/ggml-cpu.c",
      "            const char * env = getenv(\"GGML_CPU_DISABLE_FUSION\");\n",
      "            const char * inv = getenv(\"GGML_CPU_BATCH_INVARIANT\");\n"

@@ -12,6 +12,7 @@ import torch
 from ...devices import Clock, now
 from ...tree import DraftTree
 from ..logprobs import TokenLogProbs
+from .head import VocabHead
 from .model import GGUFModel, LlamaCppError, SavedPrompt
 
 __all__ = ["LlamaCppDrafter"]
@@ -22,15 +23,22 @@ class LlamaCppDrafter:
 
     Same contract as :class:`~treegraft.engines.torch.MiddleDrafter`: the prompt is pending until the
     first call, a call encodes the requested nodes not yet encoded (and their unencoded ancestors),
-    :meth:`commit` keeps the encoded prefix of the accepted path and queues the rest as pending."""
+    :meth:`commit` keeps the encoded prefix of the accepted path and queues the rest as pending.
+
+    With a ``head`` (a :class:`VocabHead`; needs ``draft_vocab`` and a ``hidden_states`` model) llama.cpp
+    returns hidden states and the head is applied here, over the draft vocabulary and only to the rows
+    whose distribution is read; without one, llama.cpp's full LM head gives every node row's logits."""
 
     clock = Clock()
     reserve = 256  # free cells a turn may take; below that, the next call re-encodes the context
     fast_rows = 32  # a call that catches up on more context rows than this (the prompt) takes the stock kernels
 
-    def __init__(self, model: GGUFModel, draft_vocab: torch.Tensor | None = None):
+    def __init__(self, model: GGUFModel, draft_vocab: torch.Tensor | None = None, head: VocabHead | None = None):
+        if head is not None and (draft_vocab is None or not model.hidden_states):
+            raise ValueError("a VocabHead needs a draft vocabulary and a hidden_states model")
         self.model = model
         self.draft_vocab = draft_vocab
+        self.head = head
         self.tokens: list[int] = []  # the committed context, in the cache's seq 0
         self.ids: torch.Tensor | None = None  # the draft vocabulary plus every context token (sorted)
         self.pos_of: torch.Tensor | None = None
@@ -38,7 +46,7 @@ class LlamaCppDrafter:
         self.pending: list[int] = []
         self.seq_of: dict[int, int] = {}  # encoded node -> its seq, this turn
         self.logprobs: dict[int, TokenLogProbs] = {}
-        self._row_logits: dict[int, torch.Tensor] = {}  # encoded node -> its logits, this turn
+        self._row_out: dict[int, torch.Tensor] = {}  # encoded node -> its logits (or hidden state), this turn
         self.calls = 0
         self.tokens_encoded = 0
         self.forward_s = 0.0
@@ -60,7 +68,7 @@ class LlamaCppDrafter:
         self.model.clear()
         self.tokens, self.committed, self.pending = [], 0, list(prompt_ids[:-1])
         self._prompt, self.charged_s = list(prompt_ids[:-1]), 0.0
-        self.seq_of, self.logprobs, self._row_logits = {}, {}, {}
+        self.seq_of, self.logprobs, self._row_out = {}, {}, {}
         self.ids = None
         self._add_vocab(list(prompt_ids))
         if encode and self.pending:
@@ -74,26 +82,26 @@ class LlamaCppDrafter:
 
     def start_turn(self) -> None:
         self._drop_nodes(list(self.seq_of))
-        self.seq_of, self.logprobs, self._row_logits = {}, {}, {}
+        self.seq_of, self.logprobs, self._row_out = {}, {}, {}
 
     def snapshot(self) -> tuple:
         """Within a turn the cells only grow: restoring drops the seqs of the nodes encoded since (and
         the context caught up since), so schedules that share a prefix branch from the same state."""
-        return (self.committed, list(self.pending), dict(self.seq_of), dict(self.logprobs), dict(self._row_logits),
+        return (self.committed, list(self.pending), dict(self.seq_of), dict(self.logprobs), dict(self._row_out),
                 self.epoch)
 
     def restore(self, snap: tuple) -> None:
-        committed, pending, seq_of, logprobs, row_logits, epoch = snap
+        committed, pending, seq_of, logprobs, row_out, epoch = snap
         if epoch != self.epoch:  # the cache was cleared since (:meth:`_clear`): the snapshot's node cells
             self._drop_nodes(list(self.seq_of))  # are gone; keep today's context, re-encode nodes when needed
-            self.seq_of, self.logprobs, self._row_logits = {}, dict(logprobs), dict(row_logits)
+            self.seq_of, self.logprobs, self._row_out = {}, dict(logprobs), dict(row_out)
             return
         self._drop_nodes([n for n in self.seq_of if n not in seq_of])
         if self.committed > committed:
             self.model.bury(0, committed)
             self.tokens = self.tokens[:committed]
         self.committed, self.pending = committed, list(pending)
-        self.seq_of, self.logprobs, self._row_logits = dict(seq_of), dict(logprobs), dict(row_logits)
+        self.seq_of, self.logprobs, self._row_out = dict(seq_of), dict(logprobs), dict(row_out)
 
     def _drop_nodes(self, nodes: list[int]) -> None:
         for n in nodes:
@@ -166,8 +174,10 @@ class LlamaCppDrafter:
             end = min(start + m.n_batch, last)
             m.decode(tokens[start:end], positions[start:end], rows[start:end], logits[start:end], fast=fast)
         m.decode(tokens[last:], positions[last:], rows[last:], logits[last:], fast=fast)
+        rows = [p - last + i for i in range(len(new_nodes))]
+        outs = m.hidden_rows(rows) if self.head is not None else m.logits_rows(rows)
         for i, n in enumerate(new_nodes):
-            self._row_logits[n] = m.logits(p - last + i)
+            self._row_out[n] = outs[i]
         self.tokens_encoded += len(tokens)
         self.tokens += self.pending
         self.committed, self.pending = ctx, []
@@ -203,15 +213,21 @@ class LlamaCppDrafter:
         if todo or self.pending:
             self._decode_rows(todo, tree)
             self.calls += 1
-        for n in need:
-            if n not in self.logprobs:
-                self.logprobs[n] = self._logprobs(self._row_logits[n])
+        unread = list(dict.fromkeys(n for n in need if n not in self.logprobs))
+        if unread:
+            outs = torch.stack([self._row_out[n] for n in unread])
+            logits = self.head.logits(outs, self.ids) if self.head is not None else outs
+            for n, row in zip(unread, logits):
+                self.logprobs[n] = self._logprobs(row)
         self.forward_s += now() - start
 
     def _logprobs(self, logits: torch.Tensor) -> TokenLogProbs:
+        """``logits``: over the full vocabulary, or over ``self.ids`` already (a ``head``'s)."""
         if self.ids is None:
             return TokenLogProbs(torch.log_softmax(logits, dim=-1))
-        return TokenLogProbs(torch.log_softmax(logits[self.ids], dim=-1), 0, self.ids, self.pos_of)
+        if self.head is None:
+            logits = logits[self.ids]
+        return TokenLogProbs(torch.log_softmax(logits, dim=-1), 0, self.ids, self.pos_of)
 
     def release(self) -> None:
         """Nothing to free: the KV cells live in the model's context, sized once and reused."""
@@ -234,4 +250,4 @@ class LlamaCppDrafter:
         if self.model.free_cells() < self.reserve:
             self._clear()
         self._add_vocab(list(path_tokens))
-        self.logprobs, self._row_logits = {}, {}
+        self.logprobs, self._row_out = {}, {}

@@ -9,6 +9,7 @@ the same bit for bit whether it is decoded alone or in a tree. ``exact=False`` r
 
 from __future__ import annotations
 
+import copy
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 
 from ...devices import now
 
-__all__ = ["GGUFModel", "LlamaCppError", "PromptReuse", "SavedPrompt", "set_batch_invariant", "multicol_check"]
+__all__ = ["GGUFModel", "HIDDEN_STATE_ARCHS", "LlamaCppError", "PromptReuse", "SavedPrompt", "set_batch_invariant", "multicol_check"]
 
 
 class LlamaCppError(RuntimeError):
@@ -69,6 +70,9 @@ def set_batch_invariant(on: bool) -> None:
     _SWITCH(bool(on))
 
 
+# architectures whose graph treegraft's build stops at the final norm when embeddings are on without pooling
+HIDDEN_STATE_ARCHS = ("qwen2", "llama")
+
 # ggml type ids (ggml.h) of the weight types with a batch-invariant product
 GGML_TYPES = {"Q4_1": 3, "Q5_0": 6, "Q8_0": 8, "Q4_K": 12, "Q6_K": 14}
 
@@ -101,6 +105,7 @@ class GGUFModel:
     threads: int = 1
     exact: bool = True
     n_batch: int = 512
+    hidden_states: bool = False  # rows give the final norm's hidden states, no LM head (HIDDEN_STATE_ARCHS only)
 
     def __post_init__(self):
         if self.n_batch < self.n_seq:  # llama.cpp reserves an output row per sequence and aborts the process
@@ -114,6 +119,18 @@ class GGUFModel:
         self.model = lib.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self.model:
             raise LlamaCppError(f"llama.cpp could not load {self.path}")
+        self.owns_model = True
+        self.vocab = lib.llama_model_get_vocab(self.model)
+        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
+        self.n_embd = lib.llama_model_n_embd(self.model)
+        self.arch = self.meta("general.architecture")
+        self._hidden_sibling: GGUFModel | None = None
+        self._reuse_of: GGUFModel | None = None  # a sibling shares its parent's PromptReuse
+        self._prompt_reuse: PromptReuse | None = None  # off: every prefill encodes its prompt
+        self._init_context()
+
+    def _init_context(self) -> None:
+        lib = self.lib
         cparams = lib.llama_context_default_params()
         cparams.n_ctx = self.n_ctx
         cparams.n_batch = cparams.n_ubatch = self.n_batch  # a tree is one ubatch
@@ -122,16 +139,49 @@ class GGUFModel:
         cparams.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cparams.n_threads = cparams.n_threads_batch = self.threads
         cparams.no_perf = True
+        if self.hidden_states:
+            if self.arch not in HIDDEN_STATE_ARCHS:
+                raise LlamaCppError(f"hidden states without the LM head need a {'/'.join(HIDDEN_STATE_ARCHS)} model "
+                                    f"(treegraft's build patches those graphs); {self.path} is {self.arch!r}")
+            cparams.embeddings = True  # with no pooling, the patched graph stops at the final norm
+            cparams.pooling_type = lib.LLAMA_POOLING_TYPE_NONE
         self.ctx = lib.llama_init_from_model(self.model, cparams)
         if not self.ctx:
             raise LlamaCppError(f"llama.cpp could not create a context for {self.path} (n_ctx {self.n_ctx})")
         self.mem = lib.llama_get_memory(self.ctx)
-        self.vocab = lib.llama_model_get_vocab(self.model)
-        self.n_vocab = lib.llama_vocab_n_tokens(self.vocab)
         self.batch = lib.llama_batch_init(self.n_batch, 0, self.n_seq)
-
         self.used = 0  # cells taken since the last clear (never freed before it: see bury)
-        self.prompt_reuse: PromptReuse | None = None  # off: every prefill encodes its prompt
+
+    @property
+    def prompt_reuse(self) -> PromptReuse | None:
+        return self._reuse_of.prompt_reuse if self._reuse_of is not None else self._prompt_reuse
+
+    @prompt_reuse.setter
+    def prompt_reuse(self, reuse: PromptReuse | None) -> None:
+        if self._reuse_of is not None:
+            self._reuse_of.prompt_reuse = reuse
+        else:
+            self._prompt_reuse = reuse
+
+    def hidden_state_sibling(self) -> "GGUFModel":
+        """A second context on the same weights whose rows give hidden states, not logits (made once).
+
+        Its KV bits are this context's (the layers are the same; only the LM head is left out), so it shares
+        this model's :class:`PromptReuse`: a prompt saved by either serves both."""
+        if self.hidden_states:
+            return self
+        if self._hidden_sibling is None:
+            sib = copy.copy(self)
+            sib.hidden_states, sib.owns_model, sib._hidden_sibling, sib._reuse_of = True, False, None, self
+            sib._init_context()
+            self._hidden_sibling = sib
+        return self._hidden_sibling
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as text (None if the file has no such key)."""
+        buf = ctypes.create_string_buffer(256)
+        n = self.lib.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return buf.value.decode() if n >= 0 else None
 
     def save_seq0(self) -> ctypes.Array:
         """seq 0's cells (tokens, positions, K and V) as llama.cpp serialises them."""
@@ -217,11 +267,25 @@ class GGUFModel:
             out[j] = np.ctypeslib.as_array(self.lib.llama_get_logits_ith(self.ctx, i), shape=(self.n_vocab,))
         return torch.from_numpy(out)
 
+    def hidden_rows(self, rows: list[int]) -> torch.Tensor:
+        """float32 hidden states [len(rows), n_embd] (the final norm's output) of the given batch rows of the
+        last decode, on a ``hidden_states`` model (every row of its batches is an output)."""
+        out = np.empty((len(rows), self.n_embd), dtype=np.float32)
+        for j, i in enumerate(rows):
+            ptr = self.lib.llama_get_embeddings_ith(self.ctx, i)
+            if not ptr:
+                raise LlamaCppError(f"no hidden state for batch row {i} (hidden_states is off?)")
+            out[j] = np.ctypeslib.as_array(ptr, shape=(self.n_embd,))
+        return torch.from_numpy(out)
+
     def close(self) -> None:
         if getattr(self, "ctx", None):
+            if self._hidden_sibling is not None:
+                self._hidden_sibling.close()
             self.lib.llama_batch_free(self.batch)
             self.lib.llama_free(self.ctx)
-            self.lib.llama_model_free(self.model)
+            if self.owns_model:
+                self.lib.llama_model_free(self.model)
             self.ctx = self.model = None
 
     def __del__(self):

@@ -23,7 +23,9 @@ from ...model_io import eos_token_ids
 from ..protocols import FrequentTokens
 from .costs import cached_engine_curve
 from .drafter import LlamaCppDrafter
-from .model import GGUFModel
+from .head import VocabHead
+from .model import HIDDEN_STATE_ARCHS, GGUFModel
+from .requant import MIDDLE_WEIGHTS, requantized
 from .target import LlamaCppTarget
 
 __all__ = ["LlamaPair", "LlamaEngines", "gguf_path", "load_llama_pair", "llama_eos_ids", "resolve_threads", "build_info"]
@@ -73,6 +75,7 @@ class LlamaPair:
     runtime: str = "llama.cpp"  # what records call the target's and the middle drafter's runtime
     middle_runtime: str = "llama.cpp"
     engine: dict | None = None  # engine, version, build, exactness, engine=auto's choice (LlamaEngines.info)
+    middle_head: VocabHead | None = None  # the middle drafter's head for a draft vocabulary (made on first use)
 
 
 def resolve_threads(threads: int | str) -> int:
@@ -86,16 +89,27 @@ def resolve_threads(threads: int | str) -> int:
 
 def load_llama_pair(target: str, middle: str | None = None, tokenizer_source: str | None = None,
                     threads: int | str = "auto", exact: bool = True, n_ctx: int = 4096,
-                    models_dir: str | os.PathLike | None = None) -> LlamaPair:
+                    models_dir: str | os.PathLike | None = None, middle_weights: str = "file") -> LlamaPair:
     """Both GGUF files loaded (middle None: a method without the middle drafter only). The tokenizer is the
-    Hugging Face one of ``tokenizer_source`` (default ``target``; an embedded model's converted folder)."""
-    from ...models import load_tokenizer
+    Hugging Face one of ``tokenizer_source`` (default ``target``; an embedded model's converted folder).
 
+    ``middle_weights``: ``file`` (the middle drafter's file as it is, on the target's kernels) or ``q4_0`` (its
+    matrices requantized once to Q4_0 into ``models_dir`` and run on llama.cpp's stock repacked kernels: the
+    drafter's logits only steer drafts, so it needs no batch invariance; see :mod:`.requant`)."""
+    from ...models import load_tokenizer
+    from ...paths import default_models_dir
+
+    if middle_weights not in MIDDLE_WEIGHTS:
+        raise ValueError(f"unknown middle_weights {middle_weights!r}; expected one of {', '.join(MIDDLE_WEIGHTS)}")
     threads = resolve_threads(threads)
     tgt = GGUFModel(str(gguf_path(target, models_dir)), n_ctx=n_ctx, n_seq=256, threads=threads, exact=exact)
     mid = None
     if middle is not None:
-        mid = GGUFModel(str(gguf_path(middle, models_dir)), n_ctx=n_ctx, n_seq=256, threads=threads, exact=exact)
+        path, mid_exact = gguf_path(middle, models_dir), exact
+        if middle_weights == "q4_0":
+            name = middle[len(EMBEDDED):] if middle.startswith(EMBEDDED) else None
+            path, mid_exact = requantized(path, models_dir or default_models_dir(), name), False
+        mid = GGUFModel(str(path), n_ctx=n_ctx, n_seq=256, threads=threads, exact=mid_exact)
         if mid.n_vocab != tgt.n_vocab:
             raise ValueError(f"tokenizer mismatch: middle drafter {middle!r} has {mid.n_vocab} tokens, target "
                              f"{target!r} {tgt.n_vocab}; the drafters must share the target's tokenizer")
@@ -145,7 +159,13 @@ class LlamaEngines:
         middle = self.pair.middle
         if middle is None:
             raise ValueError("this pair has no middle drafter model")
-        return LlamaCppDrafter(middle, frequent(int(draft_vocab), middle.n_vocab) if draft_vocab else None)
+        vocab = frequent(int(draft_vocab), middle.n_vocab) if draft_vocab else None
+        if vocab is None or middle.arch not in HIDDEN_STATE_ARCHS:
+            return LlamaCppDrafter(middle, vocab)
+        # a draft vocabulary: llama.cpp stops at the hidden states, the head reads only the vocabulary's rows
+        if self.pair.middle_head is None:
+            self.pair.middle_head = VocabHead(middle.path)
+        return LlamaCppDrafter(middle.hidden_state_sibling(), vocab, self.pair.middle_head)
 
     def small(self, settings, frequent: FrequentTokens, draft_vocab: int | None, model=None):
         raise ValueError(f"engine=llama_cpp runs the n-gram small drafter only; small drafter {settings.name} "
