@@ -5,7 +5,8 @@ Run:
     python scripts/bench_llama_engine.py --pair smollm2-135m__self --methods torch:ar llama:ar llama:all_small
 
 A method is ``<engine>:<method>``, a tree method optionally with tree settings of its own
-(``llama:all_small+ngram.prefill_scores=false``): ``torch`` (the PyTorch engine, ``--torch-runtime``, default: the
+(``llama:all_small+ngram.prefill_scores=false``; the learned ``treegraft`` / ``direct_planner`` load a pipeline run's
+scheduler from ``--artifacts outputs/pipeline/<name>``): ``torch`` (the PyTorch engine, ``--torch-runtime``, default: the
 runtime ``runtime=auto`` picks on this machine), ``llama`` (llama.cpp, the exact default: batch-invariant
 kernels, weights not repacked) or ``llama-stock`` (llama.cpp's stock fast kernels: outputs equal to its
 own ``ar`` up to batch rounding). Every decoder is built and warmed up first; then the methods run
@@ -148,6 +149,7 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
     """The decoders of ``methods`` (llama pairs loaded once per mode), their build facts, the tokenizer."""
     from treegraft.engines.llama_cpp import load_llama_pair
     from treegraft.engines.llama_cpp.build import installed_build
+    from treegraft.decoding.methods import LEARNED_METHODS, load_learned_scheduler
     from treegraft.front import decoder_for
 
     tree = None  # TreeConfig's defaults: conf/tree/default.yaml's (test_configs keeps them equal)
@@ -181,7 +183,12 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
                                            middle_weights=args.middle_weights)
         name, *overrides = name.split("+")  # llama:all_small+ngram.prefill_scores=false: tree settings of its own
         settings = OmegaConf.to_container(OmegaConf.from_dotlist(overrides)) if overrides else tree
-        decoders[method] = decoder_for(name, pairs[exact], settings, cache_dir=args.cache_dir)
+        scheduler = None
+        if name in LEARNED_METHODS:  # treegraft / direct_planner: the artifacts of a pipeline run on this engine
+            if args.artifacts is None:
+                raise ValueError(f"method {method!r} needs --artifacts (a pipeline folder with fit/ and distill/)")
+            scheduler = load_learned_scheduler(name, args.artifacts)
+        decoders[method] = decoder_for(name, pairs[exact], settings, scheduler=scheduler, cache_dir=args.cache_dir)
     tokenizer = next(iter(pairs.values())).tokenizer
     return decoders, facts, tokenizer
 
@@ -272,6 +279,8 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads and torch threads")
     parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--artifacts", default=None,
+                        help="a pipeline folder (outputs/pipeline/<name>) whose fit/ and distill/ the learned methods load")
     parser.add_argument("--middle-weights", default="file", choices=["file", "q4_0"],
                         help="llama.cpp's middle drafter: its file as is, or requantized to Q4_0 on stock kernels")
     parser.add_argument("--torch-runtime", default="auto")
@@ -348,7 +357,8 @@ def main() -> int:
     key = {"prompts": hashlib.sha256(json.dumps([p[2] for p in prompts]).encode()).hexdigest()[:16],
            "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": cpu_line(),
            "build": facts["build"], "torch_runtime": facts.get("torch_runtime"),
-           **({"middle_weights": args.middle_weights} if args.middle_weights != "file" else {})}
+           **({"middle_weights": args.middle_weights} if args.middle_weights != "file" else {}),
+           **({"artifacts": str(args.artifacts)} if args.artifacts else {})}
 
     def saved(i: int) -> dict:
         record = read_json(runs / f"prompt_{i:03d}.json", {})
