@@ -51,6 +51,16 @@ DEFAULT_METHODS = ["torch:ar", "llama:ar", "llama-stock:ar", "llama:all_small", 
                    "llama:csd", "llama-stock:all_small", "llama-stock:fixed"]
 
 
+def artifacts_key(folder: str, methods: list[str]) -> dict:
+    """The learned methods' artifact files by content (a scheduler refitted in the same folder redoes the prompts)."""
+    from treegraft.decoding.methods import LEARNED_ARTIFACTS
+    from treegraft.pipeline.artifacts import file_hash
+
+    names = {m.split(":", 1)[1].split("+")[0] for m in methods}
+    return {f: file_hash(Path(folder) / f) for base in sorted(names & set(LEARNED_ARTIFACTS))
+            for f in LEARNED_ARTIFACTS[base] if (Path(folder) / f).exists()}
+
+
 def load_prompts(benchmarks, per_benchmark: int, offset: int, tokenizer, benchmarks_dir) -> list[tuple[str, int, list[int], str]]:
     prompts = []
     for name in benchmarks:
@@ -358,7 +368,7 @@ def main() -> int:
            "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": cpu_line(),
            "build": facts["build"], "torch_runtime": facts.get("torch_runtime"),
            **({"middle_weights": args.middle_weights} if args.middle_weights != "file" else {}),
-           **({"artifacts": str(args.artifacts)} if args.artifacts else {})}
+           **({"artifacts": artifacts_key(args.artifacts, methods)} if args.artifacts else {})}
 
     def saved(i: int) -> dict:
         record = read_json(runs / f"prompt_{i:03d}.json", {})

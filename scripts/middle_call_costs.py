@@ -4,7 +4,7 @@ Run:
     python scripts/middle_call_costs.py --rows 1 2 4 8 12 16 --draft-vocab 8192
 
 A call of ``n`` rows is one ``llama_decode`` of the middle drafter (``n`` tokens after a ``--context``-token
-cache, every row's distribution read) plus the log-softmax the drafter takes of each row. Two ways:
+cache, every row's distribution read) plus the log-softmax the drafter takes of each row. Three ways:
 ``full head`` (llama.cpp's LM head over the whole vocabulary on every row, as the drafter ran before it had
 a draft vocabulary on llama.cpp), ``draft head`` (llama.cpp stops at the hidden states; the drafter's
 :class:`~treegraft.engines.llama_cpp.head.VocabHead` reads the ``--draft-vocab`` most frequent tokens plus

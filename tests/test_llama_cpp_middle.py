@@ -4,6 +4,8 @@ the target's greedy output."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -61,6 +63,40 @@ def test_a_draft_vocabulary_reads_hidden_states_and_keeps_the_output(smol, refer
     assert dec.plan_turn().scope <= 2
     for ids, ref in zip(prompts, want):
         assert dec.generate(ids, 32).tokens == ref
+    assert dec.middle.calls > 0
+
+
+def test_the_drafter_reads_a_nodes_hidden_state_where_the_full_head_reads_its_logits(smol):
+    """The same tree encoded by a drafter on llama.cpp's full head and by one on hidden states and the
+    vocabulary head (the pending prompt rows before the nodes in one batch): the same distributions over the
+    draft vocabulary, node by node, up to the bfloat16 products."""
+    from treegraft.drafters.vocab import frequent_tokens
+    from treegraft.engines.llama_cpp import LlamaCppDrafter
+    from treegraft.engines.llama_cpp.head import VocabHead
+    from treegraft.tree import MIDDLE, DraftTree
+
+    vocab = frequent_tokens(smol.tokenizer, 512, smol.middle.n_vocab)
+    full = LlamaCppDrafter(smol.middle, vocab)
+    hidden = LlamaCppDrafter(smol.middle.hidden_state_sibling(), vocab, VocabHead(smol.middle.path))
+    prompt = chat(smol.tokenizer, PROMPT)[:20]  # under fast_rows: prompt rows and nodes share one decode
+    tokens = smol.tokenizer("def fib(n): return n", add_special_tokens=False).input_ids
+    tree = DraftTree.with_root(prompt[-1])
+    chain = [0]
+    for t in tokens[:3]:
+        chain.append(tree.add_child(chain[-1], t, -1.0, MIDDLE, 1))
+    side = tree.add_child(0, tokens[-1], -2.0, MIDDLE, 1)
+    nodes = [*chain, side]
+    for d in (full, hidden):
+        d.reset(prompt)
+        d.start_turn()
+        d.encode(tree, nodes)
+        assert d.calls == 1
+    for n in nodes:
+        a, b = full.logprobs[n], hidden.logprobs[n]
+        assert torch.equal(a.ids, b.ids)
+        la, lb = a.matrix[a.row], b.matrix[b.row]
+        assert (la - lb).abs().max().item() < 0.02 * la.abs().max().item(), f"node {n}: the distributions differ"
+        assert la.argmax().item() == lb.argmax().item()
 
 
 def test_q4_0_middle_weights_are_requantized_once_and_keep_the_output(smol, reference, cache_dir, tmp_path):
@@ -77,18 +113,21 @@ def test_q4_0_middle_weights_are_requantized_once_and_keep_the_output(smol, refe
     assert path.endswith(".q4_0.gguf") and not pair.middle.exact and pair.target.exact
     kinds = {t.name: t.tensor_type for t in gguf.GGUFReader(path).tensors}
     original = {t.name: t.tensor_type for t in gguf.GGUFReader(smol.middle.path).tensors}
-    matrices = [n for n, t in original.items() if t not in (gguf.GGMLQuantizationType.F32,) and n != "output.weight"]
+    kept = ("output.weight", "token_embd.weight")  # the head's rows (tied here) and a row lookup
+    matrices = [n for n, t in original.items() if t != gguf.GGMLQuantizationType.F32 and n not in kept]
     assert matrices and all(kinds[n] == gguf.GGMLQuantizationType.Q4_0 for n in matrices)
-    assert all(kinds[n] == t for n, t in original.items() if n not in matrices)  # norms, the output matrix
-    stamp = (tmp_path / "smollm2-135m.q4_0.gguf").stat().st_mtime_ns
+    assert all(kinds[n] == t for n, t in original.items() if n not in matrices)  # norms, the embedding
+    assert [p.name for p in tmp_path.glob("*.gguf")] == [Path(path).name]
+    stamp = Path(path).stat().st_mtime_ns
     prompts, want = reference
     for tree in (TREE, {**TREE, "draft_vocab": 256}):
         dec = decoder_for("all_mid", pair, tree, cache_dir=cache_dir)
         for ids, ref in zip(prompts, want):
             assert dec.generate(ids, 32).tokens == ref
+        assert dec.middle.calls > 0
     again = load_llama_pair("embedded:smollm2-135m", "embedded:smollm2-135m", n_ctx=2048, models_dir=tmp_path,
                             middle_weights="q4_0")
-    assert again.middle.path == path and (tmp_path / "smollm2-135m.q4_0.gguf").stat().st_mtime_ns == stamp
+    assert again.middle.path == path and Path(path).stat().st_mtime_ns == stamp
     for p in (pair, again):
         p.middle.close()
 

@@ -141,7 +141,7 @@ class LlamaCppDrafter:
 
     def _decode_rows(self, new_nodes: list[int], tree: DraftTree | None) -> None:
         """One decode of the pending chain (seq 0) and the new tree nodes, each node with a seq of its own;
-        every node row's logits are kept for the turn (a later call may ask for an encoded node's). A prompt
+        every node row's logits (with a ``head``: hidden state) are kept for the turn (a later call may ask for an encoded node's). A prompt
         of more than ``fast_rows`` rows is caught up on its own first (:meth:`_catch_up_prompt`)."""
         m = self.model
         if (self.committed == 0 and len(self._prompt) > self.fast_rows

@@ -38,5 +38,6 @@ class VocabHead:
 
     def logits(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """float32 logits [rows, len(ids)] of hidden states [rows, n_embd] over the tokens ``ids`` (bfloat16
-        products with float32 sums: the logits only steer drafts)."""
+        products with float32 sums; a row's last bits may depend on how many rows share the product: the
+        logits only steer drafts)."""
         return (hidden.to(torch.bfloat16) @ self.rows(ids).T).float()

@@ -173,6 +173,7 @@ class GGUFModel:
         if self._hidden_sibling is None:
             sib = copy.copy(self)
             sib.hidden_states, sib.owns_model, sib._hidden_sibling, sib._reuse_of = True, False, None, self
+            sib.ctx = sib.batch = None  # this context's, until the sibling has its own (a failed start frees nothing)
             sib._init_context()
             self._hidden_sibling = sib
         return self._hidden_sibling
@@ -279,7 +280,7 @@ class GGUFModel:
         return torch.from_numpy(out)
 
     def close(self) -> None:
-        if getattr(self, "ctx", None):
+        if getattr(self, "ctx", None):  # (a sibling whose context failed to start has none: nothing to free)
             if self._hidden_sibling is not None:
                 self._hidden_sibling.close()
             self.lib.llama_batch_free(self.batch)
