@@ -94,3 +94,16 @@ def test_a_measured_decoder_is_placed_against_the_bound_and_bench_folders_are_re
     assert bound["of the bound's gain"].startswith("100%")
     with pytest.raises(SystemExit, match="no prompt_ids or no llama:treegraft record"):
         load_bench_records(tmp_path / "pair_x", "llama:treegraft")
+
+
+def test_the_cross_fitted_chain_sizes_each_prompt_with_the_other_half_of_the_prompts_rates():
+    """A copy prompt and a novel one, each the other's fold: in sample the copy's first chain kind is accepted
+    half the time, so on a flat curve the calibrated chain drafts the whole copy (1 step + 9 for the novel
+    prompt: 18 / 10 = 1.8x); cross-fitted, the copy is sized by the novel prompt's rates (never accepted) and
+    drafts nothing (9 + 9 steps: 1.0x)."""
+    table = headroom(_records([COPY, NOVEL]), {1: 0.05, 8: 0.05, 16: 0.05}, max_n=3, max_depth=8, n_resamples=50)
+    rows = table[table["benchmark"] == "all"].set_index("policy")["decode x ar"]
+    assert rows["calibrated_chain"].startswith("1.80") and rows["calibrated_chain_crossfit"].startswith("1.00")
+    same = headroom(_records([COPY, COPY]), {1: 0.05, 8: 0.05, 16: 0.05}, max_n=3, max_depth=8, n_resamples=50)
+    same = same[same["benchmark"] == "all"].set_index("policy")["decode x ar"]
+    assert same["calibrated_chain_crossfit"] == same["calibrated_chain"]  # both halves alike: the same rates

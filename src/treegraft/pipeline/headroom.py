@@ -11,7 +11,9 @@ target's t(n):
   ties), verifying exactly its accepted prefix: a bound on that chain;
 * ``calibrated_chain``: the same chain cut where (1 + E[accepted]) / t(k + 1) is best, with E from
   per-kind acceptance rates (order, depth, unanimous continuation) fitted on these very outputs
-  (in-sample, so optimistic): what a sizing rule that sees no future reaches.
+  (in-sample, so optimistic): what a sizing rule that sees no future reaches;
+* ``calibrated_chain_crossfit``: the same with each prompt's rates fitted on the other half of the prompts
+  (every other prompt of each benchmark): what rates learned ahead of time reach on prompts they never saw.
 
 Drafting and bookkeeping cost nothing here, so every figure is above what a decoder gets. Speedups are
 over ``ar``'s own time on the same prompts, decode only and end to end (``ar``'s measured prefill kept:
@@ -33,7 +35,7 @@ from ..stats import bootstrap_weights, interval, ratio_of_sums
 __all__ = ["POLICIES", "NGramIndex", "curve_cost", "replay", "fit_rates", "load_ar_records", "load_bench_records",
            "headroom"]
 
-POLICIES = ("hindsight_any", "hindsight_chain", "calibrated_chain")
+POLICIES = ("hindsight_any", "hindsight_chain", "calibrated_chain", "calibrated_chain_crossfit")
 
 
 class NGramIndex:
@@ -121,7 +123,7 @@ def replay(prompt: list[int], output: list[int], policy: str, costs: list[float]
             rows = a
         else:
             chain = index.chain(max_depth)
-            if policy == "calibrated_chain":
+            if policy.startswith("calibrated_chain"):
                 best, rows, expected, p = 1.0 / costs[0], 0, 0.0, 1.0
                 for k, (_, kind) in enumerate(chain, start=1):
                     p *= rates.get(kind, 0.0)
@@ -130,7 +132,7 @@ def replay(prompt: list[int], output: list[int], policy: str, costs: list[float]
                         best, rows = (1 + expected) / costs[k], k
                 chain = chain[:rows]
             a = _accepted([t for t, _ in chain], output[i:])
-            rows = rows if policy == "calibrated_chain" else a
+            rows = rows if policy.startswith("calibrated_chain") else a
             for token in output[i:i + a]:
                 index.append(token)
         steps += 1
@@ -205,13 +207,17 @@ def headroom(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max
     costs = [curve_cost(curve, k + 1) / curve_cost(curve, 1) for k in range(max_depth + 1)]
     examples = list(zip(records["prompt"], records["output"]))
     rates = fit_rates(examples, max_n, max_depth)
+    fold = records.groupby("benchmark").cumcount().to_numpy() % 2  # every other prompt of each benchmark
+    fold_rates = [fit_rates([e for e, f in zip(examples, fold) if f == k], max_n, max_depth) for k in (0, 1)]
     ar_decode = (records["wall_s"] - records["prefill_s"]).to_numpy(np.float64)
     prefill = records["prefill_s"].to_numpy(np.float64)
     tokens = records["output"].map(len).to_numpy(np.float64)
     # every policy's and decoder's per-prompt decode seconds and prefill seconds
     timed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for policy in POLICIES:
-        units = np.array([replay(p, o, policy, costs, max_n, max_depth, rates)[1] for p, o in examples])
+        units = np.array([replay(p, o, policy, costs, max_n, max_depth,
+                                 fold_rates[1 - f] if policy == "calibrated_chain_crossfit" else rates)[1]
+                          for (p, o), f in zip(examples, fold)])
         timed[policy] = (ar_decode * units / tokens, prefill)  # ar's seconds per token times the policy's t(1) units
     for name, rec in (decoders or {}).items():
         if len(rec) != len(records) or list(rec["question_id"]) != list(records["question_id"]):
