@@ -236,7 +236,8 @@ def headroom(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max
             bound_decode = timed["hindsight_any"][0][mask]
 
             def fraction(wt, d=decode[mask] + pre[mask], bound=bound_decode + prefill[mask], a=ar_total):
-                return ((wt @ a) / (wt @ d) - 1) / ((wt @ a) / (wt @ bound) - 1)
+                with np.errstate(invalid="ignore", divide="ignore"):  # a resample where the bound gains nothing: nan
+                    return ((wt @ a) / (wt @ d) - 1) / ((wt @ a) / (wt @ bound) - 1)
 
             out.append({"policy": name, "benchmark": bench, "decode x ar": dec.format(),
                         "end to end x ar": e2e.format(), "of the bound's gain": interval(fraction, w).format("{:.0%}"),
