@@ -6,7 +6,8 @@ Run:
 
 A method is ``<engine>:<method>``, a tree method optionally with tree settings of its own
 (``llama:all_small+ngram.prefill_scores=false``; the learned ``treegraft`` / ``direct_planner`` load a pipeline run's
-scheduler from ``--artifacts outputs/pipeline/<name>``): ``torch`` (the PyTorch engine, ``--torch-runtime``, default: the
+scheduler from ``--artifacts outputs/pipeline/<name>``; ``llama:ngram_chain`` is scripts/bench_ngram_chain.py's decoder,
+its rates fitted on ``--chain-rates-from``): ``torch`` (the PyTorch engine, ``--torch-runtime``, default: the
 runtime ``runtime=auto`` picks on this machine), ``llama`` (llama.cpp, the exact default: batch-invariant
 kernels, weights not repacked) or ``llama-stock`` (llama.cpp's stock fast kernels: outputs equal to its
 own ``ar`` up to batch rounding). Every decoder is built and warmed up first; then the methods run
@@ -193,6 +194,14 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
                                            middle_weights=args.middle_weights)
         name, *overrides = name.split("+")  # llama:all_small+ngram.prefill_scores=false: tree settings of its own
         settings = OmegaConf.to_container(OmegaConf.from_dotlist(overrides)) if overrides else tree
+        if name == "ngram_chain":  # scripts/bench_ngram_chain.py's decoder (this folder is on sys.path)
+            from bench_ngram_chain import chain_decoder
+
+            if args.chain_rates_from is None:
+                raise ValueError(f"method {method!r} needs --chain-rates-from (a bench folder with llama:ar records)")
+            small = decoder_for("all_small", pairs[exact], cache_dir=args.cache_dir)
+            decoders[method] = chain_decoder(small.engine, small.eos_ids, args.chain_rates_from, args.cache_dir)
+            continue
         scheduler = None
         if name in LEARNED_METHODS:  # treegraft / direct_planner: the artifacts of a pipeline run on this engine
             if args.artifacts is None:
@@ -291,6 +300,8 @@ def main() -> int:
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--artifacts", default=None,
                         help="a pipeline folder (outputs/pipeline/<name>) whose fit/ and distill/ the learned methods load")
+    parser.add_argument("--chain-rates-from", type=Path, default=None,
+                        help="llama:ngram_chain: the bench folder whose llama:ar outputs its kind rates are fitted on")
     parser.add_argument("--middle-weights", default="file", choices=["file", "q4_0"],
                         help="llama.cpp's middle drafter: its file as is, or requantized to Q4_0 on stock kernels")
     parser.add_argument("--torch-runtime", default="auto")
@@ -368,7 +379,8 @@ def main() -> int:
            "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": cpu_line(),
            "build": facts["build"], "torch_runtime": facts.get("torch_runtime"),
            **({"middle_weights": args.middle_weights} if args.middle_weights != "file" else {}),
-           **({"artifacts": artifacts_key(args.artifacts, methods)} if args.artifacts else {})}
+           **({"artifacts": artifacts_key(args.artifacts, methods)} if args.artifacts else {}),
+           **({"chain_rates_from": str(args.chain_rates_from)} if args.chain_rates_from else {})}
 
     def saved(i: int) -> dict:
         record = read_json(runs / f"prompt_{i:03d}.json", {})

@@ -12,6 +12,8 @@ measured here, ``--prompt-offset``), t from the engine's measured curve. It is a
 it moves into the library's n-gram drafter, so the loop lives here. `ar`, the chain and `all_small` run
 interleaved prompt by prompt, greedy; every output must equal `ar`'s. Prints the CPU line, end-to-end and
 decode-only speedups with paired bootstrap 95% CIs, per benchmark; writes one row per prompt to a CSV.
+``scripts/bench_llama_engine.py`` runs the same decoder as ``llama:ngram_chain`` (``--chain-rates-from``), beside
+stock llama.cpp's tools.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from omegaconf import OmegaConf
 from treegraft.atomic import atomic_write
 from treegraft.config import CONF_DIR
 from treegraft.data import BENCHMARKS, BenchmarkConfig, format_prompt, load_benchmark
+from treegraft.decoding import GenerationResult
 from treegraft.decoding.sampling import SamplingConfig
 from treegraft.decoding.turn_stats import TurnStats
 from treegraft.decoding.verify import verify_tree
@@ -55,13 +58,13 @@ class ChainDecoder:
                 best, rows = (1 + expected) / self.costs[k], k
         return rows
 
-    def generate(self, prompt: list[int], max_new_tokens: int) -> dict:
+    def generate(self, prompt: list[int], max_new_tokens: int) -> GenerationResult:
         engine, clock = self.engine, self.engine.clock
         start = clock.now()
         engine.prefill(prompt, 0, None)  # no prompt scores: the chain reads none
         start -= engine.prefill_charge_s
         prefill_s = clock.now() - start
-        index, root, out, turns = NGramIndex(self.max_n, prompt), prompt[-1], [], 0
+        index, root, out, turns = NGramIndex(self.max_n, prompt), prompt[-1], [], []
         while True:
             chain = index.chain(self.max_depth)
             tree, node = DraftTree.with_root(root), 0
@@ -71,13 +74,25 @@ class ChainDecoder:
             inputs, acc = verify_tree(engine, tree, list(range(1, len(tree))), clock, TurnStats(), lambda cum: 1.0,
                                       SamplingConfig(), None, None)
             engine.keep(context, list(acc.rows))
-            turns += 1
+            turns.append({"accepted": acc.accepted, "verified_nodes": len(tree) - 1})
             for token in [tree.token[inputs.node_ids[r]] for r in acc.rows[1:]] + [acc.bonus]:
                 out.append(token)
                 index.append(token)
                 if token in self.eos_ids or len(out) >= max_new_tokens:
-                    return {"tokens": out, "wall_s": clock.now() - start, "prefill_s": prefill_s, "turns": turns}
+                    return GenerationResult(out, len(prompt), clock.now() - start, prefill_s,
+                                            "eos" if token in self.eos_ids else "max_new_tokens", turns)
             root = out[-1]
+
+
+def chain_decoder(engine, eos_ids: set[int], rates_from: Path, cache_dir=None, max_n: int = 5,
+                  max_depth: int = 8) -> ChainDecoder:
+    """A :class:`ChainDecoder` on ``engine`` with kind rates fitted on the ``llama:ar`` outputs under
+    ``rates_from`` (a bench_llama_engine.py folder) and t(n) from the engine's measured curve."""
+    fitted = load_bench_records(rates_from, "llama:ar")  # (a one-line exit when the folder has none)
+    rates = fit_rates(list(zip(fitted["prompt"], fitted["output"])), max_n, max_depth)
+    curve = engine.verify_curve(cache_dir or default_cache_dir(), 64)
+    costs = [curve_cost(curve, k + 1) / curve_cost(curve, 1) for k in range(max_depth + 1)]
+    return ChainDecoder(engine, eos_ids, rates, costs, max_n, max_depth)
 
 
 def main() -> int:
@@ -93,35 +108,31 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "outputs" / "bench" / "llama" / "ngram_chain.csv")
     args = parser.parse_args()
 
-    fitted = load_bench_records(args.rates_from, "llama:ar")  # (a one-line exit when the folder has none)
-    rates = fit_rates(list(zip(fitted["prompt"], fitted["output"])), args.max_n, args.max_depth)
+    fitted = load_bench_records(args.rates_from, "llama:ar")
     spec = OmegaConf.load(CONF_DIR / "pair" / f"{args.pair}.yaml")
     pair = load_llama_pair(spec.target, None, threads=args.threads)
     tok = pair.tokenizer
     ar, small = decoder_for("ar", pair), decoder_for("all_small", pair)
-    engine = small.engine
-    curve = engine.verify_curve(default_cache_dir(), 64)
-    costs = [curve_cost(curve, k + 1) / curve_cost(curve, 1) for k in range(args.max_depth + 1)]
-    chain = ChainDecoder(engine, small.eos_ids, rates, costs, args.max_n, args.max_depth)
+    chain = chain_decoder(small.engine, small.eos_ids, args.rates_from, max_n=args.max_n, max_depth=args.max_depth)
     prompts = [(b, rec["question_id"], tok(format_prompt(tok, rec["turns"][0]), add_special_tokens=False).input_ids)
                for b in BENCHMARKS
                for rec in load_benchmark(BenchmarkConfig(name=b, num_prompts=args.prompts_per_benchmark,
                                                          offset=args.prompt_offset))]
     fitted_ids = set(zip(fitted["benchmark"], fitted["question_id"]))
     overlap = [p[:2] for p in prompts if p[:2] in fitted_ids]
-    print(f"rates: {len(rates)} kinds from {len(fitted)} prompts of {args.rates_from}; "
+    print(f"rates: {len(chain.rates)} kinds from {len(fitted)} prompts of {args.rates_from}; "
           f"{len(overlap)} of the {len(prompts)} measured prompts among them")
     ar.generate(prompts[0][2], 8), chain.generate(prompts[0][2], 8), small.generate(prompts[0][2], 8)  # warm-up
     rows = []
     for i, (bench, qid, ids) in enumerate(prompts):
         a, c, s = ar.generate(ids, args.max_new_tokens), chain.generate(ids, args.max_new_tokens), small.generate(ids, args.max_new_tokens)
-        if not (c["tokens"] == a.tokens == s.tokens):
+        if not (c.tokens == a.tokens == s.tokens):
             print(f"error: prompt {bench}/{qid}: an output differs from ar's", file=sys.stderr)
             return 1
         rows.append({"benchmark": bench, "question_id": qid, "new_tokens": len(a.tokens), "ar_s": a.wall_time_s,
-                     "ar_prefill_s": a.prefill_time_s, "chain_s": c["wall_s"], "chain_prefill_s": c["prefill_s"],
-                     "chain_turns": c["turns"], "all_small_s": s.wall_time_s, "all_small_prefill_s": s.prefill_time_s})
-        print(f"{i + 1}/{len(prompts)} {bench}: ar {a.wall_time_s:.2f} s, chain {c['wall_s']:.2f} s, "
+                     "ar_prefill_s": a.prefill_time_s, "chain_s": c.wall_time_s, "chain_prefill_s": c.prefill_time_s,
+                     "chain_turns": len(c.turns), "all_small_s": s.wall_time_s, "all_small_prefill_s": s.prefill_time_s})
+        print(f"{i + 1}/{len(prompts)} {bench}: ar {a.wall_time_s:.2f} s, chain {c.wall_time_s:.2f} s, "
               f"all_small {s.wall_time_s:.2f} s", flush=True)
     df = pd.DataFrame(rows).assign(cpu=cpu_line())
     atomic_write(args.out, lambda tmp: df.to_csv(tmp, index=False))
