@@ -37,7 +37,7 @@ from treegraft.engines.llama_cpp import load_llama_pair
 from treegraft.front import decoder_for
 from treegraft.machine import cpu_line
 from treegraft.paths import REPO_ROOT, default_cache_dir
-from treegraft.pipeline.headroom import NGramIndex, curve_cost, fit_rates, load_bench_records
+from treegraft.pipeline.headroom import NGramIndex, chain_rows, fit_rates, load_bench_records, relative_costs
 from treegraft.stats import bootstrap_weights, interval, ratio_of_sums
 from treegraft.tree import SMALL, DraftTree
 
@@ -49,15 +49,6 @@ class ChainDecoder:
         self.engine, self.eos_ids, self.rates, self.costs = engine, eos_ids, rates, costs
         self.max_n, self.max_depth = max_n, max_depth
 
-    def size(self, chain: list[tuple[int, tuple]]) -> int:
-        best, rows, expected, p = 1.0 / self.costs[0], 0, 0.0, 1.0
-        for k, (_, kind) in enumerate(chain, start=1):
-            p *= self.rates.get(kind, 0.0)
-            expected += p
-            if (1 + expected) / self.costs[k] > best:
-                best, rows = (1 + expected) / self.costs[k], k
-        return rows
-
     def generate(self, prompt: list[int], max_new_tokens: int) -> GenerationResult:
         engine, clock = self.engine, self.engine.clock
         start = clock.now()
@@ -68,7 +59,7 @@ class ChainDecoder:
         while True:
             chain = index.chain(self.max_depth)
             tree, node = DraftTree.with_root(root), 0
-            for token, _ in chain[:self.size(chain)]:
+            for token, _ in chain[:chain_rows(chain, self.rates, self.costs)]:
                 node = tree.add_child(node, token, 0.0, SMALL, 1)
             context = engine.context_len()
             inputs, acc = verify_tree(engine, tree, list(range(1, len(tree))), clock, TurnStats(), lambda cum: 1.0,
@@ -91,8 +82,7 @@ def chain_decoder(engine, eos_ids: set[int], rates_from: Path, cache_dir=None, m
     fitted = load_bench_records(rates_from, "llama:ar")  # (a one-line exit when the folder has none)
     rates = fit_rates(list(zip(fitted["prompt"], fitted["output"])), max_n, max_depth)
     curve = engine.verify_curve(cache_dir or default_cache_dir(), 64)
-    costs = [curve_cost(curve, k + 1) / curve_cost(curve, 1) for k in range(max_depth + 1)]
-    return ChainDecoder(engine, eos_ids, rates, costs, max_n, max_depth)
+    return ChainDecoder(engine, eos_ids, rates, relative_costs(curve, max_depth), max_n, max_depth)
 
 
 def main() -> int:

@@ -19,7 +19,6 @@ import argparse
 import random
 import statistics
 import sys
-import time
 
 import pandas as pd
 import torch
@@ -31,26 +30,12 @@ from treegraft.atomic import atomic_write
 from treegraft.config import CONF_DIR
 from treegraft.drafters.vocab import frequent_tokens
 from treegraft.engines.llama_cpp import gguf_path, load_llama_pair
+from treegraft.engines.llama_cpp.costs import timed_decode
 from treegraft.engines.llama_cpp.head import VocabHead
 from treegraft.engines.llama_cpp.model import GGUFModel
 from treegraft.engines.llama_cpp.requant import requantized
 from treegraft.machine import cpu_line
 from treegraft.paths import REPO_ROOT, default_cache_dir, default_models_dir
-
-
-def timed_call(model, tokens: list[int], context: int, read, repeats: int) -> float:
-    """Median seconds of decoding ``tokens`` after ``context`` cached cells and ``read()`` of its rows."""
-    times = []
-    n = len(tokens)
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        model.decode(tokens, list(range(context, context + n)), [[0]] * n, [True] * n)
-        read(n)
-        if i:  # the first is a warm-up
-            times.append(time.perf_counter() - start)
-        model.seq_rm(0, context, -1)
-        model.used -= n  # timing only: the cells' order does not matter here
-    return statistics.median(times)
 
 
 def main() -> int:
@@ -97,10 +82,10 @@ def main() -> int:
     rows, t_tgt = [], []
     for n in args.rows:
         tokens = [rng.randrange(full.n_vocab) for _ in range(n)]
-        t_tgt.append(timed_call(target, tokens[:1], args.context, read_target, args.repeats))
-        before = timed_call(full, tokens, args.context, read_full, args.repeats)
-        after = timed_call(hidden, tokens, args.context, read_draft, args.repeats)
-        quant = timed_call(q4_0, tokens, args.context, read_q4_0, args.repeats)
+        t_tgt.append(timed_decode(target, tokens[:1], args.context, args.repeats, read=read_target))
+        before = timed_decode(full, tokens, args.context, args.repeats, read=read_full)
+        after = timed_decode(hidden, tokens, args.context, args.repeats, read=read_draft)
+        quant = timed_decode(q4_0, tokens, args.context, args.repeats, read=read_q4_0)
         rows.append({"rows": n, "full_head_ms": 1000 * before, "draft_head_ms": 1000 * after,
                      "draft_head_q4_0_ms": 1000 * quant})
     step = statistics.median(t_tgt)

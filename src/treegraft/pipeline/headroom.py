@@ -32,7 +32,7 @@ import pandas as pd
 from ..models.runtime import curve_at
 from ..stats import bootstrap_weights, interval, ratio_of_sums
 
-__all__ = ["POLICIES", "NGramIndex", "curve_cost", "replay", "fit_rates", "load_ar_records", "load_bench_records",
+__all__ = ["POLICIES", "NGramIndex", "curve_cost", "relative_costs", "chain_rows", "replay", "fit_rates", "load_ar_records", "load_bench_records",
            "headroom"]
 
 POLICIES = ("hindsight_any", "hindsight_chain", "calibrated_chain", "calibrated_chain_crossfit")
@@ -100,6 +100,23 @@ def curve_cost(curve: dict[int, float], n: int) -> float:
     return curve[lo] + (curve[hi] - curve[lo]) * (n - lo) / (hi - lo)
 
 
+def relative_costs(curve: dict[int, float], max_depth: int) -> list[float]:
+    """``costs[k]`` = t(k + 1) / t(1): a step verifying k drafted rows, in units of a plain step."""
+    return [curve_cost(curve, k + 1) / curve_cost(curve, 1) for k in range(max_depth + 1)]
+
+
+def chain_rows(chain: list[tuple[int, tuple]], rates: dict, costs: list[float]) -> int:
+    """How many of ``chain``'s (token, kind) rows to verify: the k with the best (1 + E[accepted]) / t(k + 1),
+    E from each kind's acceptance rate (0 for a kind never seen); 0 = the root alone."""
+    best, rows, expected, p = 1.0 / costs[0], 0, 0.0, 1.0
+    for k, (_, kind) in enumerate(chain, start=1):
+        p *= rates.get(kind, 0.0)
+        expected += p
+        if (1 + expected) / costs[k] > best:
+            best, rows = (1 + expected) / costs[k], k
+    return rows
+
+
 def _accepted(drafts: list[int], truth: list[int]) -> int:
     a = 0
     while a < len(drafts) and a < len(truth) and drafts[a] == truth[a]:
@@ -124,12 +141,7 @@ def replay(prompt: list[int], output: list[int], policy: str, costs: list[float]
         else:
             chain = index.chain(max_depth)
             if policy.startswith("calibrated_chain"):
-                best, rows, expected, p = 1.0 / costs[0], 0, 0.0, 1.0
-                for k, (_, kind) in enumerate(chain, start=1):
-                    p *= rates.get(kind, 0.0)
-                    expected += p
-                    if (1 + expected) / costs[k] > best:
-                        best, rows = (1 + expected) / costs[k], k
+                rows = chain_rows(chain, rates, costs)
                 chain = chain[:rows]
             a = _accepted([t for t, _ in chain], output[i:])
             rows = rows if policy.startswith("calibrated_chain") else a
@@ -204,7 +216,7 @@ def headroom(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max
     order of ``records``, as :func:`load_bench_records` gives them): a row each with its measured speedups and
     the fraction of ``hindsight_any``'s end-to-end gain it reaches, (x - 1) / (bound - 1), CI paired with the
     bound's over the same resamples."""
-    costs = [curve_cost(curve, k + 1) / curve_cost(curve, 1) for k in range(max_depth + 1)]
+    costs = relative_costs(curve, max_depth)
     examples = list(zip(records["prompt"], records["output"]))
     rates = fit_rates(examples, max_n, max_depth)
     fold = records.groupby("benchmark").cumcount().to_numpy() % 2  # every other prompt of each benchmark

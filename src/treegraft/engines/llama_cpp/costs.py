@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import statistics
 from pathlib import Path
+from typing import Callable
 
+from ...devices import now
 from ...machine import cpu_line
 from ..curves import cached_curve
 from .model import GGUFModel
 
-__all__ = ["engine_curve", "cached_engine_curve", "model_key"]
+__all__ = ["engine_curve", "timed_decode", "cached_engine_curve", "model_key"]
 
 
 def model_key(model: GGUFModel) -> str:
@@ -28,6 +30,24 @@ def model_key(model: GGUFModel) -> str:
 
     build = (installed_build() or {}).get("patch_id", "stock build")  # the kernels the costs were measured with
     return f"{cpu_line()} | llama.cpp {mode} ({build}) | {model.threads} threads | {digest} ({path.name})"
+
+
+def timed_decode(model: GGUFModel, tokens: list[int], context: int, repeats: int = 3,
+                 read: Callable[[int], object] | None = None) -> float:
+    """Median seconds of a decode of ``tokens`` (seq 0, every row's logits requested) after ``context`` cached
+    cells, plus ``read(n)`` of its rows when given; the first run is a warm-up, and each run's cells are freed."""
+    n, times = len(tokens), []
+    for i in range(repeats + 1):
+        elapsed = model.decode(tokens, list(range(context, context + n)), [[0]] * n, [True] * n)
+        if read is not None:
+            start = now()
+            read(n)
+            elapsed += now() - start
+        if i:
+            times.append(elapsed)
+        model.seq_rm(0, context, -1)
+        model.used -= n  # freed for reuse: timing only, so the cells' order does not matter here
+    return statistics.median(times)
 
 
 def engine_curve(model: GGUFModel, sizes=(1, 2, 4, 8, 16), context: int = 256, repeats: int = 3,
@@ -42,17 +62,8 @@ def engine_curve(model: GGUFModel, sizes=(1, 2, 4, 8, 16), context: int = 256, r
     for start in range(0, context, model.n_batch):
         chunk = prefix[start:start + model.n_batch]
         model.decode(chunk, list(range(start, start + len(chunk))), [[0]] * len(chunk), [False] * len(chunk))
-    curve: dict[int, float] = {}
-    for n in sizes:
-        tokens = [rng.randrange(model.n_vocab) for _ in range(n)]
-        times = []
-        for i in range(repeats + 1):
-            elapsed = model.decode(tokens, list(range(context, context + n)), [[0]] * n, [True] * n)
-            if i:  # the first run is a warm-up
-                times.append(elapsed)
-            model.seq_rm(0, context, -1)
-            model.used -= n  # freed for reuse: timing only, so the cells' order does not matter here
-        curve[n] = statistics.median(times)
+    curve = {n: timed_decode(model, [rng.randrange(model.n_vocab) for _ in range(n)], context, repeats)
+             for n in sizes}
     model.clear()
     return curve
 

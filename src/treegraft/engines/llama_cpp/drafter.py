@@ -59,6 +59,8 @@ class LlamaCppDrafter:
         if self.draft_vocab is None:
             return
         new = torch.tensor(sorted(set(tokens)), dtype=torch.long)
+        if self.ids is not None and bool((self.pos_of[new] >= 0).all()):
+            return  # nothing new (most turns): keep the vocabulary and its head rows (CPU tensors: no device sync)
         base = self.ids if self.ids is not None else self.draft_vocab
         self.ids = torch.unique(torch.cat([base, new]))
         self.pos_of = torch.full((self.model.n_vocab,), -1, dtype=torch.long)
@@ -214,11 +216,11 @@ class LlamaCppDrafter:
             self._decode_rows(todo, tree)
             self.calls += 1
         unread = list(dict.fromkeys(n for n in need if n not in self.logprobs))
-        if unread:
-            outs = torch.stack([self._row_out[n] for n in unread])
-            logits = self.head.logits(outs, self.ids) if self.head is not None else outs
-            for n, row in zip(unread, logits):
-                self.logprobs[n] = self._logprobs(row)
+        rows = [self._row_out[n] for n in unread]
+        if rows and self.head is not None:  # one product for every row read (llama.cpp's rows: full logits already)
+            rows = self.head.logits(torch.stack(rows), self.ids)
+        for n, row in zip(unread, rows):
+            self.logprobs[n] = self._logprobs(row)
         self.forward_s += now() - start
 
     def _logprobs(self, logits: torch.Tensor) -> TokenLogProbs:

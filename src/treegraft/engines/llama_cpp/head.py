@@ -32,7 +32,7 @@ class VocabHead:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """bfloat16 [len(ids), n_embd]: the head rows of ``ids`` (re-gathered only when the ids change)."""
-        if self._ids is None or self._ids.shape != ids.shape or not torch.equal(self._ids, ids):
+        if ids is not self._ids and (self._ids is None or self._ids.shape != ids.shape or not torch.equal(self._ids, ids)):
             self._ids, self._rows = ids, self.weight[ids].contiguous()
         return self._rows
 
