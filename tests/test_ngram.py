@@ -147,3 +147,40 @@ def test_a_prompt_whose_children_fail_lowers_every_rate_until_the_next_prompt():
     assert off.prompt_factor() == 1.0 and off.rate(kind) == pytest.approx(off.shared_rate(kind))
     with pytest.raises(ValueError, match="prompt_prior"):
         NGramConfig(prompt_prior=0.0)
+
+
+def test_chain_mode_drafts_the_longest_matchs_most_frequent_follower_as_the_replay_does():
+    """``mode: chain``'s draft equals the headroom replay's ``NGramIndex.chain`` (the policy its figures price)
+    token by token, with the kind (order, depth capped at 2, unanimous) in each token's rate."""
+    import random
+
+    from treegraft.pipeline.headroom import NGramIndex
+
+    rng = random.Random(0)
+    for trial in range(40):
+        seq = [rng.randrange(6) for _ in range(rng.randrange(2, 60))]  # a small alphabet: many repeats and ties
+        drafter = NGramDrafter(NGramConfig(max_n=4, mode="chain", chain_len=6, prompt_prior=None))
+        drafter.reset(seq, [[] for _ in seq], [[] for _ in seq])
+        index = NGramIndex(4, seq)
+        ours = drafter.chain_kinds([])
+        assert [(t, k[1:3] + (bool(k[3]),)) for t, _, k in ours] == [(t, k) for t, k in index.chain(6)], trial
+        assert all(s == pytest.approx(math.log(0.3)) for _, s, _ in ours)  # the prior before any turn
+        path = [t for t, _, _ in ours[:2]]  # below a drafted path: the same chain, continued
+        assert [t for t, _, _ in drafter.chain_kinds(path, 4 - len(path))] == [t for t, _, _ in ours[2:4]]
+
+
+def test_chain_mode_ties_go_to_the_most_recent_follower_and_rates_are_learned():
+    # after "7": 1 once, then 2 once (a tie: the most recent, 2); "7 2" -> 7 (unanimous); "2 7" has no follower
+    # yet, so order 1 again: 2
+    drafter = NGramDrafter(NGramConfig(max_n=2, mode="chain", chain_len=3, prompt_prior=None))
+    seq = [7, 1, 5, 7, 2, 7]
+    drafter.reset(seq, [[] for _ in seq], [[] for _ in seq])
+    chain = drafter.chain_kinds([])
+    assert [(t, k) for t, _, k in chain] == [(2, ("chain", 1, 0, 0)), (7, ("chain", 2, 1, 1)),
+                                             (2, ("chain", 1, 2, 0))]
+    drafter.observe([(("chain", 1, 0, 0), True)] * 8)
+    assert drafter.chain_kinds([])[0][1] == pytest.approx(math.log((8 + 0.6) / 10))
+    with pytest.raises(ValueError, match="mode"):
+        NGramConfig(mode="forest")
+    with pytest.raises(ValueError, match="chain needs scoring calibrated"):
+        NGramConfig(mode="chain", scoring="target")

@@ -55,6 +55,33 @@ def test_a_prompt_without_scores_drafts_from_the_output_alone_and_stays_exact(ti
         assert len(dec.ngram.tokens) > len(ids)  # ... which is indexed, and the output after it
 
 
+@pytest.mark.parametrize("method,budget", [("all_small", "auto"), ("all_small", 3), ("fixed", "auto")])
+def test_chain_mode_is_one_chain_a_turn_and_stays_exact(tiny_pair, method, budget):
+    """``ngram.mode=chain``: every turn's n-gram draft is one path (under the root, or under the best node of a
+    middle step before it), at most ``chain_len`` deep, and the output is ``ar``'s."""
+    from treegraft.drafters import NGramConfig
+    from treegraft.tree import SMALL
+
+    tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
+    cfg = TreeConfig(method=method, budget=budget, ngram=NGramConfig(mode="chain", chain_len=5))
+    drafted = 0
+    for text in PROMPTS:
+        ids = tok(text).input_ids
+        dec = tree_decoder(target, middle, tok, cfg)
+        trees = []
+        build = dec.builder.build
+        dec.builder.build = lambda *a, **k: trees.append(build(*a, **k)) or trees[-1]
+        assert dec.generate(ids, 48).tokens == ar_tokens(target, ids, 48), text
+        for tree in trees:
+            small = [n for n in range(1, len(tree)) if tree.creator[n] == SMALL]
+            drafted += len(small)
+            assert len(small) <= 5
+            assert all(tree.parent[b] == a for a, b in zip(small, small[1:]))  # one path, in creation order
+            if small and method == "all_small":
+                assert tree.parent[small[0]] == 0 and len(tree) == len(small) + 1
+    assert drafted > 20  # the prompts repeat: chains were drafted
+
+
 def test_same_model_middle_accepts_whole_chains(tiny_pair):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok(PROMPTS[0]).input_ids

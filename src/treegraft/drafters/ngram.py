@@ -14,6 +14,15 @@ Copy chains (our addition, ``copy_len`` > 0): where the context + path ends in a
 >= ``copy_min_order`` seen before, :meth:`copy_chain` proposes the ``copy_len`` tokens that followed
 its most recent occurrence, as one deep branch: what prompt lookup decoding drafts, inside the tree.
 
+Chain mode (``mode: chain``, our addition, for engines whose verification cost grows with every row, as
+llama.cpp's on a CPU): a turn's n-gram draft is one chain instead of a tree: at each depth the longest matching
+n-gram's most frequent follower (the most recent among equals, :meth:`chain_kinds`), up to ``chain_len`` tokens,
+each scored by the log of its kind's observed acceptance rate (matched order, depth, whether every occurrence
+agreed), so a prefix's ``cum`` is the log-probability that it is accepted and the budget planner cuts the chain
+where expected tokens per second are best. Why: on such a CPU a verified row past the first costs a fifth of a
+step or more, and the tree's siblings (a second guess at a position) are rarely worth a row (docs/results: on a
+Zen 5, a chain sized this way 1.18x plain decoding where the n-gram tree made 1.05-1.07x).
+
 Scoring (``scoring``): ``target`` is the paper's (the cached target log-probability, or the floor);
 copied tokens score at least the log of the copy rate. ``calibrated`` (our addition) scores a child by
 the log of the rate at which children of its kind were accepted when their parent was: the kind is
@@ -35,9 +44,10 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NGramConfig", "NGramDrafter", "COPY", "copy_kind"]
+__all__ = ["NGramConfig", "NGramDrafter", "COPY", "CHAIN", "copy_kind"]
 
 COPY = ("copy",)  # the kind of a copy chain's tokens (prefix of every copy kind: ("copy", order, first|next))
+CHAIN = ("chain",)  # prefix of a chain-mode token's kind: ("chain", matched order, depth (capped at 2), unanimous)
 
 
 def copy_kind(order: int, first: bool, agree: int = -1) -> tuple:
@@ -70,12 +80,20 @@ class NGramConfig:
     # calibrated: every rate times this prompt's observed / expected acceptances, with this many expected
     # acceptances of prior (None: rates shared by every prompt alike)
     prompt_prior: float | None = 4.0
+    # tree: up to top_m children per expanded node, plus the copy chain | chain: one chain a turn (chain_len deep)
+    mode: str = "tree"
+    chain_len: int = 8
 
     def __post_init__(self) -> None:
         if self.max_n < 1 or self.top_m < 1:
             raise ValueError(f"ngram max_n and top_m must be >= 1, got {self.max_n}, {self.top_m}")
         if self.scoring not in ("target", "calibrated"):
             raise ValueError(f"ngram scoring must be target or calibrated, got {self.scoring!r}")
+        if self.mode not in ("tree", "chain"):
+            raise ValueError(f"ngram mode must be tree or chain, got {self.mode!r}")
+        if self.mode == "chain" and (self.scoring != "calibrated" or self.chain_len < 1):
+            raise ValueError(f"ngram mode chain needs scoring calibrated and chain_len >= 1, got scoring "
+                             f"{self.scoring!r}, chain_len {self.chain_len}")
         if self.prompt_prior is not None and self.prompt_prior <= 0:
             raise ValueError(f"ngram prompt_prior must be > 0 or null, got {self.prompt_prior}")
 
@@ -259,3 +277,43 @@ class NGramDrafter:
                 chain.append((token, copy_score if calibrated else max(self._score(pos, token), copy_score), kind))
             return chain
         return []
+
+    def chain_kinds(self, path: list[int], max_len: int | None = None) -> list[tuple[int, float, tuple]]:
+        """Chain mode's draft below context + ``path``: up to ``max_len`` (``chain_len``) (token, score, kind)
+        triples, each the longest matching n-gram's most frequent follower (the most recent among equals) of
+        the sequence so far, drafted tokens included; kind ``("chain", order, min(depth, 2), unanimous)``,
+        score the log of its rate. Stops where nothing matches."""
+        max_len = self.cfg.chain_len if max_len is None else max_len
+        n_max = self.cfg.max_n
+        tail = (self.tokens[-n_max:] + list(path))[-n_max:]
+        out: list[tuple[int, float, tuple]] = []
+        for depth in range(max_len):
+            hit = self._top_follower(tail)
+            if hit is None:
+                break
+            token, order, unanimous = hit
+            kind = (*CHAIN, order, min(depth, 2), int(unanimous))
+            out.append((token, math.log(self.rate(kind)), kind))
+            tail = (tail + [token])[-n_max:]
+        return out
+
+    def _top_follower(self, tail: list[int]) -> tuple[int, int, bool] | None:
+        """(token, matched order, unanimous) of the longest n-gram ending ``tail`` that occurred with a follower:
+        its most frequent follower over the last ``max_occurrences`` occurrences, the most recent among equals."""
+        toks, last = self.tokens, len(self.tokens) - 1
+        for n in range(min(self.cfg.max_n, len(tail)), 0, -1):
+            ends = self.index[n].get(tuple(tail[-n:]))
+            if not ends:
+                continue
+            counts: dict[int, int] = {}
+            latest: dict[int, int] = {}
+            for end in ends[-self.cfg.max_occurrences:]:
+                if end >= last:  # the occurrence ending at the newest token has no follower yet
+                    continue
+                token = toks[end + 1]
+                counts[token] = counts.get(token, 0) + 1
+                latest[token] = end
+            if counts:
+                token = max(counts, key=lambda t: (counts[t], latest[t]))
+                return token, n, len(counts) == 1
+        return None

@@ -142,7 +142,19 @@ class TreeBuilder:
         start = self.clock.now()
         cap = self.cfg.node_cap
         kinds = self.small_kinds
-        if nodes == [0] and self.cfg.ngram.copy_len:  # a copy chain under the root, before its other children
+        if self.cfg.ngram.mode == "chain":
+            # one chain a turn, under the best node of the first small step (read off the tree, which a
+            # branched construction copies): a later small step would only re-draft the same chain
+            if SMALL not in tree.creator:
+                parent = nodes[0]
+                for token, score, kind in self.ngram.chain_kinds(tree.path_tokens(parent)):
+                    if len(tree) >= cap:
+                        break
+                    parent = tree.add_child(parent, token, score, SMALL, step)
+                    kinds.setdefault(parent, kind)
+                stats.small_calls += 1
+            nodes = []
+        elif nodes == [0] and self.cfg.ngram.copy_len:  # a copy chain under the root, before its other children
             parent = 0
             for token, score, kind in self.ngram.copy_chain_kinds([]):
                 if len(tree) >= cap:
