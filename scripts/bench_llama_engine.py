@@ -3,11 +3,15 @@
 Run:
     python scripts/bench_llama_engine.py --pair qwen-coder-1.5b__0.5b --prompts-per-benchmark 2 --max-new-tokens 64
     python scripts/bench_llama_engine.py --pair smollm2-135m__self --methods torch:ar llama:ar llama:all_small
+    python scripts/bench_llama_engine.py --experiment cpu_llama --artifacts outputs/pipeline/cpu_llama \
+        --methods llama:ar llama:treegraft tool:plain tool:ngram-map-k:4
+
+``--experiment`` gives every llama tree method the experiment's tree settings (and the middle drafter's weights), so
+``llama:treegraft`` decodes as the pipeline that fitted its scheduler did.
 
 A method is ``<engine>:<method>``, a tree method optionally with tree settings of its own
 (``llama:all_small+ngram.prefill_scores=false``; the learned ``treegraft`` / ``direct_planner`` load a pipeline run's
-scheduler from ``--artifacts outputs/pipeline/<name>``; ``llama:ngram_chain`` is scripts/bench_ngram_chain.py's decoder,
-its rates fitted on ``--chain-rates-from``): ``torch`` (the PyTorch engine, ``--torch-runtime``, default: the
+scheduler from ``--artifacts outputs/pipeline/<name>``): ``torch`` (the PyTorch engine, ``--torch-runtime``, default: the
 runtime ``runtime=auto`` picks on this machine), ``llama`` (llama.cpp, the exact default: batch-invariant
 kernels, weights not repacked) or ``llama-stock`` (llama.cpp's stock fast kernels: outputs equal to its
 own ``ar`` up to batch rounding). Every decoder is built and warmed up first; then the methods run
@@ -163,7 +167,7 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
     from treegraft.decoding.methods import LEARNED_METHODS, load_learned_scheduler
     from treegraft.front import decoder_for
 
-    tree = None  # TreeConfig's defaults: conf/tree/default.yaml's (test_configs keeps them equal)
+    tree = args.tree  # the experiment's tree settings (None: TreeConfig's defaults, conf/tree/default.yaml's)
     middle = pair_cfg.middle
     pairs, decoders, facts = {}, {}, {"build": installed_build(), "middle_weights": args.middle_weights}
     for method in methods:
@@ -193,15 +197,8 @@ def build_decoders(methods: list[str], pair_cfg, args, console: Console) -> tupl
                                            n_ctx=args.n_ctx, models_dir=args.models_dir,
                                            middle_weights=args.middle_weights)
         name, *overrides = name.split("+")  # llama:all_small+ngram.prefill_scores=false: tree settings of its own
-        settings = OmegaConf.to_container(OmegaConf.from_dotlist(overrides)) if overrides else tree
-        if name == "ngram_chain":  # scripts/bench_ngram_chain.py's decoder (this folder is on sys.path)
-            from bench_ngram_chain import chain_decoder
-
-            if args.chain_rates_from is None:
-                raise ValueError(f"method {method!r} needs --chain-rates-from (a bench folder with llama:ar records)")
-            small = decoder_for("all_small", pairs[exact], cache_dir=args.cache_dir)
-            decoders[method] = chain_decoder(small.engine, small.eos_ids, args.chain_rates_from, args.cache_dir)
-            continue
+        settings = (OmegaConf.to_container(OmegaConf.merge(tree or {}, OmegaConf.from_dotlist(overrides)))
+                    if overrides else tree)
         scheduler = None
         if name in LEARNED_METHODS:  # treegraft / direct_planner: the artifacts of a pipeline run on this engine
             if args.artifacts is None:
@@ -300,10 +297,12 @@ def main() -> int:
     parser.add_argument("--n-ctx", type=int, default=4096)
     parser.add_argument("--artifacts", default=None,
                         help="a pipeline folder (outputs/pipeline/<name>) whose fit/ and distill/ the learned methods load")
-    parser.add_argument("--chain-rates-from", type=Path, default=None,
-                        help="llama:ngram_chain: the bench folder whose llama:ar outputs its kind rates are fitted on")
-    parser.add_argument("--middle-weights", default="file", choices=["file", "q4_0"],
-                        help="llama.cpp's middle drafter: its file as is, or requantized to Q4_0 on stock kernels")
+    parser.add_argument("--middle-weights", default=None, choices=["file", "q4_0"],
+                        help="llama.cpp's middle drafter: its file as is, or requantized to Q4_0 on stock kernels "
+                             "(default: the experiment's engine.middle_weights, else file)")
+    parser.add_argument("--experiment", default=None,
+                        help="conf/experiment/<name>.yaml: its tree settings (and engine.middle_weights) for every "
+                             "llama tree method, as the pipeline decodes; a method's own +settings go on top")
     parser.add_argument("--torch-runtime", default="auto")
     parser.add_argument("--benchmarks-dir", default=None)
     parser.add_argument("--models-dir", default=None)
@@ -324,6 +323,21 @@ def main() -> int:
         print(f"error: pair {args.pair!r} not found: expected conf/pair/{args.pair}.yaml", file=sys.stderr)
         return 2
     pair_cfg = OmegaConf.load(pair_file)
+    args.tree, experiment_weights = None, None
+    if args.experiment:  # composed as the pipeline composes it (an experiment may inherit another's settings)
+        from hydra import compose, initialize_config_dir
+
+        if not (CONF_DIR / "experiment" / f"{args.experiment}.yaml").is_file():
+            print(f"error: experiment {args.experiment!r} not found: expected conf/experiment/{args.experiment}.yaml",
+                  file=sys.stderr)
+            return 2
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            exp = compose(config_name="evaluate", overrides=[f"experiment={args.experiment}"])
+        from treegraft.settings import RunSettings
+
+        settings = RunSettings.of(exp)
+        args.tree, experiment_weights = dict(settings.tree), settings.engine.middle_weights
+    args.middle_weights = args.middle_weights or experiment_weights or "file"
     if pair_cfg.middle is None:  # a self-draft pair: llama.cpp cannot run a layer prefix, so the whole file drafts
         pair_cfg.middle = pair_cfg.target
     methods = list(dict.fromkeys(["llama:ar"] + args.methods))
@@ -379,8 +393,8 @@ def main() -> int:
            "max_new_tokens": args.max_new_tokens, "threads": args.threads, "cpu": cpu_line(),
            "build": facts["build"], "torch_runtime": facts.get("torch_runtime"),
            **({"middle_weights": args.middle_weights} if args.middle_weights != "file" else {}),
-           **({"artifacts": artifacts_key(args.artifacts, methods)} if args.artifacts else {}),
-           **({"chain_rates_from": str(args.chain_rates_from)} if args.chain_rates_from else {})}
+           **({"tree": args.tree} if args.tree else {}),
+           **({"artifacts": artifacts_key(args.artifacts, methods)} if args.artifacts else {})}
 
     def saved(i: int) -> dict:
         record = read_json(runs / f"prompt_{i:03d}.json", {})

@@ -250,6 +250,11 @@ def test_treegraft_deploys_the_best_fixed_schedule_where_the_distilled_scheduler
     assert fixed_fallback(3.1, "00000", ci_low=0.0)["schedule"] == "00000"  # a CI touching 0 does not carry it
     assert fixed_fallback(3.1, "00000", ci_low=1.8) is None
     assert fixed_fallback(3.1, "00000", ci_low=float("nan"))["distilled_minus_best_fixed_points_lo"] is None
+    # against making no calls (distill's second reference): its own keys, and the reference named
+    assert fixed_fallback(2.1, "00000", ci_low=-5.2, reference="all-skip") == {
+        "policy": "fixed", "schedule": "00000", "reference": "all-skip", "distilled_minus_all_skip_points": 2.1,
+        "distilled_minus_all_skip_points_lo": -5.2}
+    assert fixed_fallback(2.1, "00000", ci_low=0.4, reference="all-skip") is None
     policy = FixedScheduler("01000")
     assert [policy.decide(StepState(step=k, depth=5, history=[], prompt_len=9, t_tgt_ms=1.0, t_mid_ms=1.0))
             for k in range(1, 6)] == [0, 1, 0, 0, 0]

@@ -21,7 +21,9 @@ each scored by the log of its kind's observed acceptance rate (matched order, de
 agreed), so a prefix's ``cum`` is the log-probability that it is accepted and the budget planner cuts the chain
 where expected tokens per second are best. Why: on such a CPU a verified row past the first costs a fifth of a
 step or more, and the tree's siblings (a second guess at a position) are rarely worth a row (docs/results: on a
-Zen 5, a chain sized this way 1.18x plain decoding where the n-gram tree made 1.05-1.07x).
+Zen 5 the same chain, with rates fitted ahead of time on other prompts and cut by the replay's rule, made 1.18x
+plain decoding where the n-gram tree made 1.05-1.07x). Chain mode shapes the n-gram drafter's tree steps only: a
+neural small drafter and ``csd``'s cascade draft as they do in tree mode.
 
 Scoring (``scoring``): ``target`` is the paper's (the cached target log-probability, or the floor);
 copied tokens score at least the log of the copy rate. ``calibrated`` (our addition) scores a child by

@@ -11,7 +11,9 @@ target's t(n):
   ties), verifying exactly its accepted prefix: a bound on that chain;
 * ``calibrated_chain``: the same chain cut where (1 + E[accepted]) / t(k + 1) is best, with E from
   per-kind acceptance rates (order, depth, unanimous continuation) fitted on these very outputs
-  (in-sample, so optimistic): what a sizing rule that sees no future reaches;
+  (in-sample, so optimistic): what a sizing rule that sees no future reaches (the chain is the one the
+  library's ``tree.ngram.mode=chain`` drafts, :meth:`~treegraft.drafters.NGramDrafter.chain_kinds`, which learns
+  its rates online and lets the budget planner cut it);
 * ``calibrated_chain_crossfit``: the same with each prompt's rates fitted on the other half of the prompts
   (every other prompt of each benchmark): what rates learned ahead of time reach on prompts they never saw.
 

@@ -25,7 +25,7 @@ from .features import state_names, state_vector, suffix_vector, signals_among, w
 from .policy import StepState
 from .value import MLPConfig, Standardized, ValueSystem, train_mlp
 
-__all__ = ["plan_margins", "MarginPredictor", "LearnedScheduler", "DirectPlanner", "fixed_fallback"]
+__all__ = ["plan_margins", "MarginPredictor", "LearnedScheduler", "DirectPlanner", "fixed_fallback", "fallback_key"]
 
 
 def _suffixes(n: int) -> list[tuple[int, ...]]:
@@ -144,7 +144,13 @@ class DirectPlanner:
         return int(plan_margins(self.vs, x[None, :], np.array([state.step]))[0] > 0)
 
 
-def fixed_fallback(distilled_minus_fixed: float | None, best_fixed: str, ci_low: float | None = None) -> dict | None:
+def fallback_key(reference: str) -> str:
+    """The key of a fallback's difference against ``reference``: ``distilled_minus_best_fixed_points``, ..."""
+    return "distilled_minus_" + reference.replace(" ", "_").replace("-", "_") + "_points"
+
+
+def fixed_fallback(distilled_minus_fixed: float | None, best_fixed: str, ci_low: float | None = None,
+                   reference: str = "best fixed") -> dict | None:
     """What ``treegraft`` deploys instead of the distilled scheduler: ``best_fixed`` (run online by a
     :class:`~treegraft.scheduling.policy.FixedScheduler`) unless the distilled scheduler's cross-validated
     share of the oracle beats the best fixed schedule's with the prompt-resampled 95% CI of the difference
@@ -154,13 +160,17 @@ def fixed_fallback(distilled_minus_fixed: float | None, best_fixed: str, ci_low:
     the held-out turns never did (a fresh-clone run on a Xeon: distilled = best fixed = all-skip offline,
     0.00 points; deployed, it called the 0.5B on 3% of steps and ran 13.5% [7.8, 18.7] below all-skip;
     another: +0.7 [-3.8, +5.4] points on 10 prompts, deployed, 85 middle calls where calls do not pay,
-    1.01x against a rerun's 1.09x)."""
+    1.01x against a rerun's 1.09x). ``reference``: the constant policy compared against (``best fixed``, or
+    ``all-skip``: distill also asks the scheduler to beat making no calls at all), named in the keys."""
     if distilled_minus_fixed is None:
         return None
     evidence = distilled_minus_fixed if ci_low is None else ci_low
     if evidence > 0:  # NaN (too few prompts for a CI) is no evidence either
         return None
-    out = {"policy": "fixed", "schedule": str(best_fixed), "distilled_minus_best_fixed_points": float(distilled_minus_fixed)}
+    key = fallback_key(reference)
+    out = {"policy": "fixed", "schedule": str(best_fixed), key: float(distilled_minus_fixed)}
+    if reference != "best fixed":
+        out["reference"] = reference
     if ci_low is not None:
-        out["distilled_minus_best_fixed_points_lo"] = None if np.isnan(ci_low) else float(ci_low)
+        out[f"{key}_lo"] = None if np.isnan(ci_low) else float(ci_low)
     return out

@@ -143,9 +143,10 @@ class TreeBuilder:
         cap = self.cfg.node_cap
         kinds = self.small_kinds
         if self.cfg.ngram.mode == "chain":
-            # one chain a turn, under the best node of the first small step (read off the tree, which a
-            # branched construction copies): a later small step would only re-draft the same chain
-            if SMALL not in tree.creator:
+            # one chain a turn, under the best node of the first small step that finds one (read off the tree,
+            # which a branched construction copies): a later small step would only re-draft the same chain. A chain
+            # that destructive grafting deleted is drafted again under the newest nodes
+            if not any(c == SMALL and alive for c, alive in zip(tree.creator, tree.alive)):
                 parent = nodes[0]
                 for token, score, kind in self.ngram.chain_kinds(tree.path_tokens(parent)):
                     if len(tree) >= cap:
