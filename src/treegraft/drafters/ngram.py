@@ -220,21 +220,14 @@ class NGramDrafter:
         n_max = self.cfg.max_n
         tail = toks[-n_max:] + path if len(path) < n_max else path
         tail = tail[-n_max:]
-        last = len(toks) - 1
         calibrated = self.cfg.scoring == "calibrated"
         found: set[int] = set()
         out: list[tuple[int, float, tuple]] = []
         match = 0
         for n in range(min(n_max, len(tail)), 0, -1):
-            ends = self.index[n].get(tuple(tail[-n:]))
-            if not ends:
-                continue
             level: dict[int, float] = {}
             agree: dict[int, int] = {}
-            for end in ends[-self.cfg.max_occurrences :]:
-                if end >= last:  # the occurrence ending at the newest token has no continuation yet
-                    continue
-                nxt = toks[end + 1]
+            for end, nxt in self._followers(tail, n):
                 if nxt in found:
                     continue
                 score, agrees = self._score_and_agreement(end, nxt)
@@ -250,6 +243,15 @@ class NGramDrafter:
                 if len(out) >= m:
                     return out, match
         return out, match
+
+    def _followers(self, tail: list[int], n: int) -> list[tuple[int, int]]:
+        """(end, follower) of the last ``max_occurrences`` occurrences of the n-gram ending ``tail``, oldest first,
+        but the one ending at the newest token (it has no follower yet); [] where the n-gram never occurred."""
+        ends = self.index[n].get(tuple(tail[-n:]))
+        if not ends:
+            return []
+        toks, last = self.tokens, len(self.tokens) - 1
+        return [(end, toks[end + 1]) for end in ends[-self.cfg.max_occurrences:] if end < last]
 
     def copy_chain(self, path: list[int], max_len: int | None = None) -> list[tuple[int, float]]:
         """The tokens that followed the most recent occurrence of the longest n-gram (order >=
@@ -302,17 +304,10 @@ class NGramDrafter:
     def _top_follower(self, tail: list[int]) -> tuple[int, int, bool] | None:
         """(token, matched order, unanimous) of the longest n-gram ending ``tail`` that occurred with a follower:
         its most frequent follower over the last ``max_occurrences`` occurrences, the most recent among equals."""
-        toks, last = self.tokens, len(self.tokens) - 1
         for n in range(min(self.cfg.max_n, len(tail)), 0, -1):
-            ends = self.index[n].get(tuple(tail[-n:]))
-            if not ends:
-                continue
             counts: dict[int, int] = {}
             latest: dict[int, int] = {}
-            for end in ends[-self.cfg.max_occurrences:]:
-                if end >= last:  # the occurrence ending at the newest token has no follower yet
-                    continue
-                token = toks[end + 1]
+            for end, token in self._followers(tail, n):
                 counts[token] = counts.get(token, 0) + 1
                 latest[token] = end
             if counts:
