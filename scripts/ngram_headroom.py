@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from treegraft.pipeline.headroom import headroom, load_ar_records, load_bench_records
+from treegraft.pipeline.headroom import headroom, load_ar_records, load_bench_records, step_table
 
 
 def _curve_from_run(run: Path, pair: str) -> dict[int, float]:
@@ -60,8 +60,11 @@ def main() -> None:
     console.print(f"{pair}, {len(records)} prompts, {records['runtime'].iloc[0]} on {records['cpu'].iloc[0]}; "
                   f"t(n) ms: " + ", ".join(f"{n}: {curve[n] * (1000 if curve[n] < 10 else 1):.0f}" for n in sorted(curve)))
     console.print(table.to_string(index=False))
+    steps = step_table(records, curve, args.max_n, args.max_depth, decoders=decoders)
+    console.print("\nper step, over every prompt (a replay's milliseconds are ar's per token times its t(1) units):")
+    console.print(steps.to_string(index=False))
     if args.markdown:
-        args.markdown.write_text(table.to_markdown(index=False) + "\n")
+        args.markdown.write_text(table.to_markdown(index=False) + "\n\n" + steps.to_markdown(index=False) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from treegraft.pipeline.headroom import NGramIndex, curve_cost, headroom, load_ar_records, load_bench_records, replay
+from treegraft.pipeline.headroom import NGramIndex, curve_cost, headroom, load_ar_records, load_bench_records, replay, step_table
 
 # the prompt ends in 0, and 0 was followed by 1 .. 9 earlier: the output 1 .. 9 is one long copy
 PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0]
@@ -35,19 +35,19 @@ def test_a_flat_curve_makes_a_whole_copy_one_step_and_a_linear_one_makes_draftin
     flat = [1.0] * 9
     linear = [k + 1.0 for k in range(9)]
     for policy in ("hindsight_any", "hindsight_chain"):
-        assert replay(PROMPT, COPY, policy, flat, max_n=3, max_depth=8) == (1, 1.0)  # 8 drafts + the bonus
-        steps, cost = replay(PROMPT, COPY, policy, linear, max_n=3, max_depth=8)
+        assert replay(PROMPT, COPY, policy, flat, max_n=3, max_depth=8) == (1, 1.0, 8)  # 8 drafts + the bonus
+        steps, cost, rows = replay(PROMPT, COPY, policy, linear, max_n=3, max_depth=8)
         assert cost == pytest.approx(len(COPY))  # t(a + 1) = a + 1 units for a + 1 tokens
-        assert replay(PROMPT, NOVEL, policy, flat, max_n=3, max_depth=8) == (9, 9.0)
+        assert replay(PROMPT, NOVEL, policy, flat, max_n=3, max_depth=8) == (9, 9.0, 0)
 
 
 def test_the_calibrated_chain_drafts_only_what_pays_at_the_curve():
     flat, steep = [1.0] * 9, [1.0 + 10 * k for k in range(9)]
     sure = {(order, depth, unanimous): 1.0 for order in range(1, 4) for depth in range(3) for unanimous in (True, False)}
-    assert replay(PROMPT, COPY, "calibrated_chain", flat, 3, 8, sure) == (1, 1.0)
-    assert replay(PROMPT, COPY, "calibrated_chain", steep, 3, 8, sure) == (9, 9.0)  # a row costs 10 steps: never draft
+    assert replay(PROMPT, COPY, "calibrated_chain", flat, 3, 8, sure) == (1, 1.0, 8)
+    assert replay(PROMPT, COPY, "calibrated_chain", steep, 3, 8, sure) == (9, 9.0, 0)  # a row costs 10 steps: never draft
     never = {kind: 0.0 for kind in sure}
-    assert replay(PROMPT, COPY, "calibrated_chain", flat, 3, 8, never) == (9, 9.0)
+    assert replay(PROMPT, COPY, "calibrated_chain", flat, 3, 8, never) == (9, 9.0, 0)
 
 
 def test_headroom_speedups_are_tokens_per_cost_unit_and_keep_the_prefill():
@@ -107,3 +107,18 @@ def test_the_cross_fitted_chain_sizes_each_prompt_with_the_other_half_of_the_pro
     same = headroom(_records([COPY, COPY]), {1: 0.05, 8: 0.05, 16: 0.05}, max_n=3, max_depth=8, n_resamples=50)
     same = same[same["benchmark"] == "all"].set_index("policy")["decode x ar"]
     assert same["calibrated_chain_crossfit"] == same["calibrated_chain"]  # both halves alike: the same rates
+
+
+def test_step_table_splits_a_decoders_steps_into_verification_and_the_rest():
+    """ar: 9 tokens in 9 s of decoding (1000 ms a token); the hindsight replay copies the 9 in one step at a flat
+    curve (1 unit: 1000 ms); a decoder that took 3 turns of 2 accepted + the bonus, verifying 4 rows at 0.5 s each,
+    in 2.4 s of decoding, spent 0.3 s a turn outside the target's forward."""
+    records = _records([COPY], wall=10.0, prefill=1.0)
+    turns = [{"accepted": 2, "verified_nodes": 4, "target_forward_s": 0.5}] * 3
+    decoder = records.assign(wall_s=3.4, turns=[turns])
+    table = step_table(records, {1: 0.05, 16: 0.05}, max_n=3, max_depth=8, decoders={"lib": decoder}).set_index("policy")
+    assert table.loc["ar (measured)", "ms / step"] == 1000.0
+    assert table.loc["hindsight_any", ["tokens / step", "rows / step", "ms / step"]].tolist() == [9.0, 8.0, 1000.0]
+    lib = table.loc["lib"]
+    assert (lib["tokens / step"], lib["rows / step"]) == (3.0, 4.0)
+    assert lib["ms / step"] == pytest.approx(800.0) and lib["other ms / step"] == pytest.approx(300.0)

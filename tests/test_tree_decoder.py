@@ -82,6 +82,39 @@ def test_chain_mode_is_one_chain_a_turn_and_stays_exact(tiny_pair, method, budge
     assert drafted > 20  # the prompts repeat: chains were drafted
 
 
+def test_chain_mode_caches_no_target_scores_and_keeps_the_confidence_signal(tiny_pair):
+    """Chain mode never reads the target's top-m, so a turn computes none (generated positions stay unscored),
+    while the scheduler's ``recent_target_conf`` is still the running mean of the target's top-1 probability at
+    each turn's accepted rows."""
+    from treegraft.drafters import NGramConfig
+
+    tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
+    ids = tok(PROMPTS[0]).input_ids
+    dec = tree_decoder(target, middle, tok, TreeConfig(method="all_small", ngram=NGramConfig(mode="chain")))
+    rows = []
+    verify = dec.verify_tree
+
+    def recording(*a, **k):
+        inputs, acc = verify(*a, **k)
+        rows.append([r.float().clone() for r in acc.logits])
+        return inputs, acc
+
+    dec.verify_tree = recording
+    start = dec._prefill
+
+    def prefill(prompt):
+        start(prompt)
+        rows.append(dec.turn_signals["recent_target_conf"])
+
+    dec._prefill = prefill
+    assert dec.generate(ids, 32).tokens == ar_tokens(target, ids, 32)
+    assert not dec.ngram.reads_scores and all(s is None for s in dec.ngram.scores[len(ids):])
+    conf = rows[0]
+    for turn in rows[1:]:
+        conf = 0.5 * conf + 0.5 * sum(float(torch.softmax(r, -1).max()) for r in turn) / len(turn)
+    assert len(rows) > 2 and dec.turn_signals["recent_target_conf"] == pytest.approx(conf, rel=1e-5)
+
+
 def test_same_model_middle_accepts_whole_chains(tiny_pair):
     tok, target = tiny_pair.tokenizer, tiny_pair.target
     ids = tok(PROMPTS[0]).input_ids

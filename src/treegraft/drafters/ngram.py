@@ -153,6 +153,12 @@ class NGramDrafter:
                 continue
             self.scores[pos] = (dict(zip(row_ids, row_lps)), row_lps[-1] - penalty, int(row_ids[0]))
 
+    @property
+    def reads_scores(self) -> bool:
+        """Whether proposals read the target's cached top-m (:meth:`set_scores`): chain mode scores by its kinds'
+        rates alone, so a decoder need not compute the top-m it would cache."""
+        return self.cfg.mode == "tree"
+
     def _score(self, pos: int, token: int) -> float:
         return self._score_and_agreement(pos, token)[0]
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -34,8 +35,8 @@ import pandas as pd
 from ..models.runtime import curve_at
 from ..stats import bootstrap_weights, interval, ratio_of_sums
 
-__all__ = ["POLICIES", "NGramIndex", "curve_cost", "relative_costs", "chain_rows", "replay", "fit_rates", "load_ar_records", "load_bench_records",
-           "headroom"]
+__all__ = ["POLICIES", "NGramIndex", "curve_cost", "relative_costs", "chain_rows", "Replayed", "replay", "fit_rates",
+           "load_ar_records", "load_bench_records", "headroom", "step_table"]
 
 POLICIES = ("hindsight_any", "hindsight_chain", "calibrated_chain", "calibrated_chain_crossfit")
 
@@ -126,12 +127,17 @@ def _accepted(drafts: list[int], truth: list[int]) -> int:
     return a
 
 
+class Replayed(NamedTuple):
+    steps: int  # verification steps
+    cost: float  # their cost in units of t(1)
+    rows: int  # drafted rows verified, over every step
+
+
 def replay(prompt: list[int], output: list[int], policy: str, costs: list[float], max_n: int, max_depth: int,
-           rates: dict | None = None) -> tuple[int, float]:
-    """(steps, cost in units of t(1)) of decoding ``output`` after ``prompt`` under ``policy``; ``costs[k]``
-    = t(k + 1) / t(1) for k drafted rows."""
+           rates: dict | None = None) -> Replayed:
+    """Decoding ``output`` after ``prompt`` under ``policy``; ``costs[k]`` = t(k + 1) / t(1) for k drafted rows."""
     index = NGramIndex(max_n, prompt)
-    steps, cost, i = 0, 0.0, 0
+    steps, cost, i, verified = 0, 0.0, 0, 0
     while i < len(output):
         if policy == "hindsight_any":
             a = 0
@@ -151,10 +157,11 @@ def replay(prompt: list[int], output: list[int], policy: str, costs: list[float]
                 index.append(token)
         steps += 1
         cost += costs[rows]
+        verified += rows
         if i + a < len(output):
             index.append(output[i + a])  # the bonus token
         i += a + 1
-    return steps, cost
+    return Replayed(steps, cost, verified)
 
 
 def fit_rates(examples: list[tuple[list[int], list[int]]], max_n: int, max_depth: int) -> dict:
@@ -183,7 +190,8 @@ def load_bench_records(out_dir: Path, method: str = "llama:ar") -> pd.DataFrame:
         res = r["results"][method]
         rows.append({"pair": r.get("pair", out_dir.name), "benchmark": r["benchmark"], "question_id": r["question_id"],
                      "prompt": r["prompt_ids"], "output": res["tokens"], "prefill_s": res["prefill_time_s"],
-                     "wall_s": res["wall_time_s"], "cpu": r["key"]["cpu"], "runtime": method})
+                     "wall_s": res["wall_time_s"], "cpu": r["key"]["cpu"], "runtime": method,
+                     "turns": res.get("turns") or []})
     if not rows:
         raise SystemExit(f"error: no prompt records under {out_dir / 'runs'}: expected a bench_llama_engine.py --out-dir")
     return pd.DataFrame(rows)
@@ -210,6 +218,46 @@ def load_ar_records(run: Path, pair: str | None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _replays(records: pd.DataFrame, curve: dict[int, float], max_n: int, max_depth: int) -> dict[str, list[Replayed]]:
+    """Every policy's :func:`replay` of every record, in order (calibrated rates in sample, or cross-fitted)."""
+    costs = relative_costs(curve, max_depth)
+    examples = list(zip(records["prompt"], records["output"]))
+    rates = fit_rates(examples, max_n, max_depth)
+    fold = records.groupby("benchmark").cumcount().to_numpy() % 2  # every other prompt of each benchmark
+    fold_rates = [fit_rates([e for e, f in zip(examples, fold) if f == k], max_n, max_depth) for k in (0, 1)]
+    return {policy: [replay(p, o, policy, costs, max_n, max_depth,
+                            fold_rates[1 - f] if policy == "calibrated_chain_crossfit" else rates)
+                     for (p, o), f in zip(examples, fold)] for policy in POLICIES}
+
+
+def step_table(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max_depth: int = 8,
+               decoders: dict[str, pd.DataFrame] | None = None) -> pd.DataFrame:
+    """Where a decoder's gap to a replay goes, one row per policy or decoder over every prompt: tokens per step,
+    drafted rows verified per step, and decode milliseconds per step split into the verification forward and
+    the rest (drafting, bookkeeping; 0 in a replay). A decoder's row comes from its records' ``turns``; a
+    replay's milliseconds are ``ar``'s per token times its t(1) units, as in :func:`headroom`. Fewer tokens
+    per step at as many rows is the drafts' or the cut's fault; more milliseconds per step, the turn's."""
+    ar_ms = 1000 * float((records["wall_s"] - records["prefill_s"]).sum() / records["output"].map(len).sum())
+    rows = [{"policy": "ar (measured)", "tokens / step": 1.0, "rows / step": 0.0, "ms / step": ar_ms,
+             "verify ms / step": ar_ms, "other ms / step": 0.0}]
+    for policy, runs in _replays(records, curve, max_n, max_depth).items():
+        steps = sum(r.steps for r in runs)
+        ms = ar_ms * sum(r.cost for r in runs) / steps
+        rows.append({"policy": policy, "tokens / step": records["output"].map(len).sum() / steps,
+                     "rows / step": sum(r.rows for r in runs) / steps, "ms / step": ms, "verify ms / step": ms,
+                     "other ms / step": 0.0})
+    for name, rec in (decoders or {}).items():
+        turns = [t for ts in rec["turns"] for t in ts]
+        if not turns:
+            continue  # a method without turn records (stock tools)
+        decode = 1000 * float((rec["wall_s"] - rec["prefill_s"]).sum())
+        verify = 1000 * sum(t["target_forward_s"] for t in turns)
+        rows.append({"policy": name, "tokens / step": sum(t["accepted"] + 1 for t in turns) / len(turns),
+                     "rows / step": sum(t["verified_nodes"] for t in turns) / len(turns), "ms / step": decode / len(turns),
+                     "verify ms / step": verify / len(turns), "other ms / step": (decode - verify) / len(turns)})
+    return pd.DataFrame(rows).round(2)
+
+
 def headroom(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max_depth: int = 8,
              n_resamples: int = 2000, decoders: dict[str, pd.DataFrame] | None = None) -> pd.DataFrame:
     """One row per (policy, benchmark or 'all'): decode-only and end-to-end speedup over ar with CIs.
@@ -218,20 +266,13 @@ def headroom(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max
     order of ``records``, as :func:`load_bench_records` gives them): a row each with its measured speedups and
     the fraction of ``hindsight_any``'s end-to-end gain it reaches, (x - 1) / (bound - 1), CI paired with the
     bound's over the same resamples."""
-    costs = relative_costs(curve, max_depth)
-    examples = list(zip(records["prompt"], records["output"]))
-    rates = fit_rates(examples, max_n, max_depth)
-    fold = records.groupby("benchmark").cumcount().to_numpy() % 2  # every other prompt of each benchmark
-    fold_rates = [fit_rates([e for e, f in zip(examples, fold) if f == k], max_n, max_depth) for k in (0, 1)]
     ar_decode = (records["wall_s"] - records["prefill_s"]).to_numpy(np.float64)
     prefill = records["prefill_s"].to_numpy(np.float64)
     tokens = records["output"].map(len).to_numpy(np.float64)
     # every policy's and decoder's per-prompt decode seconds and prefill seconds
     timed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for policy in POLICIES:
-        units = np.array([replay(p, o, policy, costs, max_n, max_depth,
-                                 fold_rates[1 - f] if policy == "calibrated_chain_crossfit" else rates)[1]
-                          for (p, o), f in zip(examples, fold)])
+    for policy, runs in _replays(records, curve, max_n, max_depth).items():
+        units = np.array([r.cost for r in runs])
         timed[policy] = (ar_decode * units / tokens, prefill)  # ar's seconds per token times the policy's t(1) units
     for name, rec in (decoders or {}).items():
         if len(rec) != len(records) or list(rec["question_id"]) != list(records["question_id"]):
