@@ -20,7 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from treegraft.pipeline.headroom import headroom, load_ar_records, load_bench_records, step_table
+from treegraft.pipeline.headroom import headroom, load_ar_records, load_bench_records, replay_all, step_table
 
 
 def _curve_from_run(run: Path, pair: str) -> dict[int, float]:
@@ -55,12 +55,13 @@ def main() -> None:
     if args.decoders and not (args.run / "runs").is_dir():
         sys.exit(f"error: --decoders reads a bench folder (scripts/bench_llama_engine.py --out-dir); {args.run} is not one")
     decoders = {m: load_bench_records(args.run, m) for m in args.decoders}
-    table = headroom(records, curve, args.max_n, args.max_depth, decoders=decoders)
+    replays = replay_all(records, curve, args.max_n, args.max_depth)
+    table = headroom(records, curve, args.max_n, args.max_depth, decoders=decoders, replays=replays)
     console = Console(width=160)
     console.print(f"{pair}, {len(records)} prompts, {records['runtime'].iloc[0]} on {records['cpu'].iloc[0]}; "
                   f"t(n) ms: " + ", ".join(f"{n}: {curve[n] * (1000 if curve[n] < 10 else 1):.0f}" for n in sorted(curve)))
     console.print(table.to_string(index=False))
-    steps = step_table(records, curve, args.max_n, args.max_depth, decoders=decoders)
+    steps = step_table(records, replays, decoders=decoders)
     console.print("\nper step, over every prompt (a replay's milliseconds are ar's per token times its t(1) units):")
     console.print(steps.to_string(index=False))
     if args.markdown:

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from treegraft.pipeline.headroom import NGramIndex, curve_cost, headroom, load_ar_records, load_bench_records, replay, step_table
+from treegraft.pipeline.headroom import NGramIndex, curve_cost, headroom, load_ar_records, load_bench_records, replay, replay_all, step_table
 
 # the prompt ends in 0, and 0 was followed by 1 .. 9 earlier: the output 1 .. 9 is one long copy
 PROMPT = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0]
@@ -116,7 +116,8 @@ def test_step_table_splits_a_decoders_steps_into_verification_and_the_rest():
     records = _records([COPY], wall=10.0, prefill=1.0)
     turns = [{"accepted": 2, "verified_nodes": 4, "target_forward_s": 0.5}] * 3
     decoder = records.assign(wall_s=3.4, turns=[turns])
-    table = step_table(records, {1: 0.05, 16: 0.05}, max_n=3, max_depth=8, decoders={"lib": decoder}).set_index("policy")
+    replays = replay_all(records, {1: 0.05, 16: 0.05}, max_n=3, max_depth=8)
+    table = step_table(records, replays, decoders={"lib": decoder}).set_index("policy")
     assert table.loc["ar (measured)", "ms / step"] == 1000.0
     assert table.loc["hindsight_any", ["tokens / step", "rows / step", "ms / step"]].tolist() == [9.0, 8.0, 1000.0]
     lib = table.loc["lib"]

@@ -82,15 +82,18 @@ def test_chain_mode_is_one_chain_a_turn_and_stays_exact(tiny_pair, method, budge
     assert drafted > 20  # the prompts repeat: chains were drafted
 
 
-def test_chain_mode_caches_no_target_scores_and_keeps_the_confidence_signal(tiny_pair):
-    """Chain mode never reads the target's top-m, so a turn computes none (generated positions stay unscored),
-    while the scheduler's ``recent_target_conf`` is still the running mean of the target's top-1 probability at
-    each turn's accepted rows."""
+@pytest.mark.parametrize("method,mode,cached", [("all_small", "chain", False), ("all_small", "tree", True),
+                                                ("csd", "chain", True)])
+def test_target_scores_are_cached_only_where_drafts_read_them(tiny_pair, method, mode, cached):
+    """Chain mode's chain never reads the target's top-m, so a turn computes none (generated positions stay
+    unscored); the tree steps and ``csd``'s cascade (n-gram proposals ranked by them, in either mode) get it at
+    every verified position. Either way the scheduler's ``recent_target_conf`` is the running mean of the
+    target's top-1 probability at each turn's accepted rows."""
     from treegraft.drafters import NGramConfig
 
     tok, target, middle = tiny_pair.tokenizer, tiny_pair.target, tiny_pair.middle
     ids = tok(PROMPTS[0]).input_ids
-    dec = tree_decoder(target, middle, tok, TreeConfig(method="all_small", ngram=NGramConfig(mode="chain")))
+    dec = tree_decoder(target, middle, tok, TreeConfig(method=method, ngram=NGramConfig(mode=mode)))
     rows = []
     verify = dec.verify_tree
 
@@ -108,7 +111,10 @@ def test_chain_mode_caches_no_target_scores_and_keeps_the_confidence_signal(tiny
 
     dec._prefill = prefill
     assert dec.generate(ids, 32).tokens == ar_tokens(target, ids, 32)
-    assert not dec.ngram.reads_scores and all(s is None for s in dec.ngram.scores[len(ids):])
+    # the first turn's root sits at the prompt's last position; the last emitted token was never a verified row
+    generated = dec.ngram.scores[len(ids) - 1:-1]
+    assert dec._reads_ngram_scores == cached and len(generated) >= 31
+    assert all((s is not None) == cached for s in generated)
     conf = rows[0]
     for turn in rows[1:]:
         conf = 0.5 * conf + 0.5 * sum(float(torch.softmax(r, -1).max()) for r in turn) / len(turn)

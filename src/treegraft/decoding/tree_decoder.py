@@ -183,6 +183,13 @@ class TreeGraftDecoder(RuntimeContext):
         signals (with a neural small drafter and a fixed schedule its index would be work for nothing)."""
         return self.small is None or bool(self.scheduler.needs_signals)
 
+    @property
+    def _reads_ngram_scores(self) -> bool:
+        """Whether anything reads the n-gram drafter's cached target scores: the construction's drafts, or the
+        scheduler's n-gram signals (``propose``) where its tree kinds learn by them (in chain mode those kinds are
+        never observed, so the signal is the same with or without the cache)."""
+        return self.builder.reads_ngram_scores or (bool(self.scheduler.needs_signals) and self.ngram.reads_scores)
+
     # ------------------------------------------------------------------ drafting
     def step_state(self, tree: DraftTree, step: int, history: list[int], with_signals: bool) -> StepState:
         """The scheduler's view before step ``step``'s action (the scheduler state) in the current turn."""
@@ -267,15 +274,15 @@ class TreeGraftDecoder(RuntimeContext):
         path_nodes = [inputs.node_ids[r] for r in acc.rows]
         path_tokens = [tree.token[node] for node in path_nodes]
         emitted = path_tokens[1:] + [acc.bonus]
-        # n-gram drafter: the context grows by the emitted tokens; the target's top-m at the verified
-        # positions (root and accepted nodes) extends its score cache
+        # n-gram drafter: the context grows by the emitted tokens; where the construction reads its scores, the
+        # target's top-m at the verified positions (root and accepted nodes) extends its score cache
         start = clock.now()
         ngram_in_use = self._ngram_in_use
         if ngram_in_use:
             self.ngram.observe(self.builder.ngram_outcomes(tree, set(inputs.node_ids), path_nodes, emitted,
                                                            self.sampling.greedy))
             self.ngram.append(emitted)
-        if self.cfg.ngram.extend_cache and ngram_in_use and self.ngram.reads_scores:
+        if self.cfg.ngram.extend_cache and ngram_in_use and self._reads_ngram_scores:
             logp = torch.log_softmax(torch.stack(acc.logits).float(), dim=-1)
             m = min(self.cfg.ngram.top_m, logp.shape[-1])
             v, i = logp.topk(m, dim=-1)
@@ -284,7 +291,8 @@ class TreeGraftDecoder(RuntimeContext):
             self.ngram.set_scores(L, top_ids, top_lps)
             top1 = [row[0] for row in top_lps]
         else:  # nothing reads the top-m: the top-1 log-probability alone (a top-m of 151,936 logits is ~0.6 ms a row on a CPU)
-            top1 = torch.stack([row.max().float() - torch.logsumexp(row.float(), dim=-1) for row in acc.logits]).tolist()
+            rows = torch.stack(acc.logits).float()
+            top1 = (rows.amax(dim=-1) - rows.logsumexp(dim=-1)).tolist()
         if self.small is not None:  # the neural small drafter keeps the accepted path's slots, queues the rest
             self.small.commit(path_nodes, path_tokens)
         stats.small_s += clock.now() - start

@@ -155,8 +155,9 @@ class NGramDrafter:
 
     @property
     def reads_scores(self) -> bool:
-        """Whether proposals read the target's cached top-m (:meth:`set_scores`): chain mode scores by its kinds'
-        rates alone, so a decoder need not compute the top-m it would cache."""
+        """Whether the tree steps' drafts read the target's cached top-m (:meth:`set_scores`): chain mode's chain
+        scores by its kinds' rates alone. :meth:`propose` always reads it (``csd``'s cascade calls it in either mode:
+        ``TreeBuilder.reads_ngram_scores`` says what a construction needs)."""
         return self.cfg.mode == "tree"
 
     def _score(self, pos: int, token: int) -> float:

@@ -35,8 +35,8 @@ import pandas as pd
 from ..models.runtime import curve_at
 from ..stats import bootstrap_weights, interval, ratio_of_sums
 
-__all__ = ["POLICIES", "NGramIndex", "curve_cost", "relative_costs", "chain_rows", "Replayed", "replay", "fit_rates",
-           "load_ar_records", "load_bench_records", "headroom", "step_table"]
+__all__ = ["POLICIES", "NGramIndex", "curve_cost", "relative_costs", "chain_rows", "Replayed", "replay", "replay_all",
+           "fit_rates", "load_ar_records", "load_bench_records", "headroom", "step_table"]
 
 POLICIES = ("hindsight_any", "hindsight_chain", "calibrated_chain", "calibrated_chain_crossfit")
 
@@ -218,7 +218,7 @@ def load_ar_records(run: Path, pair: str | None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def _replays(records: pd.DataFrame, curve: dict[int, float], max_n: int, max_depth: int) -> dict[str, list[Replayed]]:
+def replay_all(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max_depth: int = 8) -> dict[str, list[Replayed]]:
     """Every policy's :func:`replay` of every record, in order (calibrated rates in sample, or cross-fitted)."""
     costs = relative_costs(curve, max_depth)
     examples = list(zip(records["prompt"], records["output"]))
@@ -230,17 +230,19 @@ def _replays(records: pd.DataFrame, curve: dict[int, float], max_n: int, max_dep
                      for (p, o), f in zip(examples, fold)] for policy in POLICIES}
 
 
-def step_table(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max_depth: int = 8,
+def step_table(records: pd.DataFrame, replays: dict[str, list[Replayed]],
                decoders: dict[str, pd.DataFrame] | None = None) -> pd.DataFrame:
-    """Where a decoder's gap to a replay goes, one row per policy or decoder over every prompt: tokens per step,
-    drafted rows verified per step, and decode milliseconds per step split into the verification forward and
-    the rest (drafting, bookkeeping; 0 in a replay). A decoder's row comes from its records' ``turns``; a
-    replay's milliseconds are ``ar``'s per token times its t(1) units, as in :func:`headroom`. Fewer tokens
-    per step at as many rows is the drafts' or the cut's fault; more milliseconds per step, the turn's."""
+    """Where a decoder's gap to a replay goes, one row per policy (``replays``: :func:`replay_all` of ``records``) or
+    decoder over every prompt: tokens per step, drafted rows verified per step, and decode milliseconds per step
+    split into the target's verification forward and the rest (drafting, middle-drafter forwards, bookkeeping;
+    0 in a replay, and in ``ar``'s row, whose whole per-token time counts as its step). A decoder's row comes from
+    its records' ``turns``; a replay's milliseconds are ``ar``'s per token times its t(1) units, as in
+    :func:`headroom`. Fewer tokens per step at as many rows is the drafts' or the cut's fault; more milliseconds
+    per step, the turn's."""
     ar_ms = 1000 * float((records["wall_s"] - records["prefill_s"]).sum() / records["output"].map(len).sum())
     rows = [{"policy": "ar (measured)", "tokens / step": 1.0, "rows / step": 0.0, "ms / step": ar_ms,
              "verify ms / step": ar_ms, "other ms / step": 0.0}]
-    for policy, runs in _replays(records, curve, max_n, max_depth).items():
+    for policy, runs in replays.items():
         steps = sum(r.steps for r in runs)
         ms = ar_ms * sum(r.cost for r in runs) / steps
         rows.append({"policy": policy, "tokens / step": records["output"].map(len).sum() / steps,
@@ -252,26 +254,27 @@ def step_table(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, m
             continue  # a method without turn records (stock tools)
         decode = 1000 * float((rec["wall_s"] - rec["prefill_s"]).sum())
         verify = 1000 * sum(t["target_forward_s"] for t in turns)
-        rows.append({"policy": name, "tokens / step": sum(t["accepted"] + 1 for t in turns) / len(turns),
+        rows.append({"policy": name, "tokens / step": rec["output"].map(len).sum() / len(turns),  # a cut last turn counts what it kept
                      "rows / step": sum(t["verified_nodes"] for t in turns) / len(turns), "ms / step": decode / len(turns),
                      "verify ms / step": verify / len(turns), "other ms / step": (decode - verify) / len(turns)})
     return pd.DataFrame(rows).round(2)
 
 
 def headroom(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max_depth: int = 8,
-             n_resamples: int = 2000, decoders: dict[str, pd.DataFrame] | None = None) -> pd.DataFrame:
+             n_resamples: int = 2000, decoders: dict[str, pd.DataFrame] | None = None,
+             replays: dict[str, list[Replayed]] | None = None) -> pd.DataFrame:
     """One row per (policy, benchmark or 'all'): decode-only and end-to-end speedup over ar with CIs.
 
     ``decoders``: name -> a decoder's measured records on the same prompts (``prefill_s``, ``wall_s``, in the
     order of ``records``, as :func:`load_bench_records` gives them): a row each with its measured speedups and
     the fraction of ``hindsight_any``'s end-to-end gain it reaches, (x - 1) / (bound - 1), CI paired with the
-    bound's over the same resamples."""
+    bound's over the same resamples. ``replays``: :func:`replay_all`'s of ``records`` at ``curve``, if already made."""
     ar_decode = (records["wall_s"] - records["prefill_s"]).to_numpy(np.float64)
     prefill = records["prefill_s"].to_numpy(np.float64)
     tokens = records["output"].map(len).to_numpy(np.float64)
     # every policy's and decoder's per-prompt decode seconds and prefill seconds
     timed: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    for policy, runs in _replays(records, curve, max_n, max_depth).items():
+    for policy, runs in (replays or replay_all(records, curve, max_n, max_depth)).items():
         units = np.array([r.cost for r in runs])
         timed[policy] = (ar_decode * units / tokens, prefill)  # ar's seconds per token times the policy's t(1) units
     for name, rec in (decoders or {}).items():

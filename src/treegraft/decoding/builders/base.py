@@ -71,6 +71,12 @@ class TreeBuilder:
         self.clock = clock or Clock()
         self.small_kinds: dict[int, tuple] = {}  # this turn's n-gram nodes -> their kind (the drafter learns rates)
 
+    @property
+    def reads_ngram_scores(self) -> bool:
+        """Whether this construction reads the n-gram drafter's cached target scores (so the decoder must cache the
+        target's top-m at every verified position): the n-gram drafter's tree steps do, chain mode's chain does not."""
+        return self.small is None and self.ngram.reads_scores
+
     def start(self, root_token: int, plan: TurnPlan) -> tuple[DraftTree, BuildState]:
         """A turn's root-only tree and its construction state (the middle drafter starts a new turn)."""
         if self.middle is not None:

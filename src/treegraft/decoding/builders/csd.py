@@ -20,6 +20,11 @@ class CascadeChainBuilder(TreeBuilder):
     argmax after it (a lossless greedy cascade at the drafting level). No schedule: every step is the
     middle drafter's."""
 
+    @property
+    def reads_ngram_scores(self) -> bool:
+        """The cascade's n-gram proposals (:meth:`small_chain`) rank by the cached target scores in either mode."""
+        return self.small is None
+
     def build(self, root_token: int, plan: TurnPlan, decide: Callable[[DraftTree, BuildState, int], int],
               stats: TurnStats) -> DraftTree:
         tree, _ = self.start(root_token, plan)
