@@ -218,7 +218,8 @@ def load_ar_records(run: Path, pair: str | None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def replay_all(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5, max_depth: int = 8) -> dict[str, list[Replayed]]:
+def replay_all(records: pd.DataFrame, curve: dict[int, float], max_n: int = 5,
+               max_depth: int = 8) -> dict[str, list[Replayed]]:
     """Every policy's :func:`replay` of every record, in order (calibrated rates in sample, or cross-fitted)."""
     costs = relative_costs(curve, max_depth)
     examples = list(zip(records["prompt"], records["output"]))
@@ -254,7 +255,8 @@ def step_table(records: pd.DataFrame, replays: dict[str, list[Replayed]],
             continue  # a method without turn records (stock tools)
         decode = 1000 * float((rec["wall_s"] - rec["prefill_s"]).sum())
         verify = 1000 * sum(t["target_forward_s"] for t in turns)
-        rows.append({"policy": name, "tokens / step": rec["output"].map(len).sum() / len(turns),  # a cut last turn counts what it kept
+        # tokens by output length: a last turn cut at EOS or max_new_tokens counts what it kept
+        rows.append({"policy": name, "tokens / step": rec["output"].map(len).sum() / len(turns),
                      "rows / step": sum(t["verified_nodes"] for t in turns) / len(turns), "ms / step": decode / len(turns),
                      "verify ms / step": verify / len(turns), "other ms / step": (decode - verify) / len(turns)})
     return pd.DataFrame(rows).round(2)
