@@ -956,6 +956,20 @@ def test_make_all_gives_evaluate_what_the_earlier_stages_left_of_the_budget(tmp_
     assert evaluate_budget_min(58, 90) == 1.0
 
 
+def test_make_all_plans_evaluate_for_the_most_prompts_its_rounds_may_run(tmp_path):
+    """The bar's evaluate share is the most prompts precision rounds may reach (it jumps ahead where they stop
+    sooner), not the first round's, which left the bar at 97-100% through every later round."""
+    from treegraft.pipeline.run_all import _generations_per_pair, evaluate_prompts_planned
+
+    cfg = compose("evaluate", ["experiment=cpu_llama", f"paths.output_dir={tmp_path}"])
+    e = cfg.evaluation
+    assert e.target_half_width is not None and e.max_prompts_per_benchmark > e.prompts_per_benchmark
+    assert evaluate_prompts_planned(cfg) == e.max_prompts_per_benchmark
+    fixed = compose("evaluate", ["experiment=cpu_llama", f"paths.output_dir={tmp_path}", "evaluation.target_half_width=null"])
+    assert evaluate_prompts_planned(fixed) == e.prompts_per_benchmark
+    assert _generations_per_pair(cfg) > _generations_per_pair(fixed)
+
+
 def test_evaluation_sized_by_precision_adds_prompts_and_keeps_earlier_records(smoke, tmp_path):
     """Rounds of prompts until the CI is narrow enough (here: never, so up to the cap): the first round's
     records are reused, not redone; precision.json says what was reached; sensitivity variants carry

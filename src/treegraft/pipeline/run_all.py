@@ -36,7 +36,7 @@ from .parallel import one_thread_if_forking
 from .report import make_figures, make_tables
 from ..devices import now
 
-__all__ = ["run_all", "work_plan", "evaluate_budget_min", "auto_experiment", "AUTO_EXPERIMENTS"]
+__all__ = ["run_all", "work_plan", "evaluate_budget_min", "evaluate_prompts_planned", "auto_experiment", "AUTO_EXPERIMENTS"]
 
 # `make all`'s default (experiment=auto): the cpu experiment on the engine whose step is faster here
 AUTO_EXPERIMENTS = {"torch": "cpu", "llama_cpp": "cpu_llama"}
@@ -62,9 +62,19 @@ def _pair_weight(cfg: DictConfig, pair: str) -> float:
         return 1.0
 
 
-def _generations_per_pair(e: DictConfig) -> int:
-    """The (prompt, method) generations evaluate runs for one pair over every benchmark."""
+def evaluate_prompts_planned(e: DictConfig) -> int:
+    """Prompts per benchmark the bar plans evaluate for: the most it may run. Sized by precision, rounds go on
+    to ``max_prompts_per_benchmark`` unless the CI or the time budget stops them first, and the bar then jumps
+    to the stage's end; planning only the first round left it at 97-100% through every later round."""
     n = int(e.evaluation.prompts_per_benchmark)
+    if e.evaluation.get("target_half_width") is not None:
+        n = max(n, int(e.evaluation.get("max_prompts_per_benchmark") or n))
+    return n
+
+
+def _generations_per_pair(e: DictConfig) -> int:
+    """The (prompt, method) generations evaluate may run for one pair over every benchmark."""
+    n = evaluate_prompts_planned(e)
     per_benchmark = sum(len(method_prompts(e, m, list(range(n)))) for m in evaluated_methods(e))
     return len(e.evaluation.benchmarks) * per_benchmark
 
@@ -113,7 +123,7 @@ def run_all(cfgs: dict[str, DictConfig]) -> dict[str, float]:
             if not n:
                 return
             step = round(n * weight)
-            if bar.n + step >= bar.total:  # evaluate's later precision rounds go past the plan: stretch the bar
+            if bar.n + step >= bar.total:  # more work than planned (a mis-estimate): stretch the bar
                 bar.total = round((bar.n + step) / 0.97) + 1
             bar.update(step)
 
@@ -132,7 +142,8 @@ def run_all(cfgs: dict[str, DictConfig]) -> dict[str, float]:
             e.evaluation.time_budget_min = minutes
         console.print(f"evaluate: {minutes:.0f} of the {p.time_budget_min:g}-min budget left; rounds of "
                       f"{e.evaluation.round_prompts} prompt(s) per benchmark from {e.evaluation.prompts_per_benchmark} until the "
-                      f"headline CI half-width is at most {e.evaluation.target_half_width:g}x")
+                      f"headline CI half-width is at most {e.evaluation.target_half_width:g}x (the bar plans for "
+                      f"{evaluate_prompts_planned(e)} a benchmark, the most it may run, and jumps ahead where it stops sooner)")
     stage("evaluate", lambda: run_evaluate(e, progress=per_unit("evaluate", eval_units)))
     exp_dir = stage_dir(e.paths.output_dir, e.pipeline.name, "report").parent
     written: list[Path] = []
