@@ -959,7 +959,8 @@ def test_make_all_gives_evaluate_what_the_earlier_stages_left_of_the_budget(tmp_
 def test_make_all_plans_evaluate_for_the_most_prompts_its_rounds_may_run(tmp_path):
     """The bar's evaluate share is the most prompts precision rounds may reach (it jumps ahead where they stop
     sooner), not the first round's, which left the bar at 97-100% through every later round."""
-    from treegraft.pipeline.run_all import _generations_per_pair, evaluate_prompts_planned
+    from treegraft.pipeline.evaluate import most_prompts_per_benchmark as evaluate_prompts_planned
+    from treegraft.pipeline.run_all import _generations_per_pair
 
     cfg = compose("evaluate", ["experiment=cpu_llama", f"paths.output_dir={tmp_path}"])
     e = cfg.evaluation

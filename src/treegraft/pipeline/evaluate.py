@@ -50,7 +50,8 @@ from .shards import shard_from
 from .stage_jobs import gpu_groups, print_job, progress_to
 from .tracking import stage_logger
 
-__all__ = ["run_evaluate", "explain_mismatches", "near_tie_placement", "size_by_precision", "main_interval",
+__all__ = ["run_evaluate", "explain_mismatches", "near_tie_placement", "size_by_precision", "most_prompts_per_benchmark",
+           "main_interval",
            # re-exported from the modules the stage was split into
            "evaluated_methods", "make_record", "summarize_records", "read_records", "eval_pairs", "run_key",
            "method_prompts", "evaluation_units", "evaluate_coverage", "evaluate_benchmarks", "evaluation_offset",
@@ -139,6 +140,16 @@ def main_interval(cfg: DictConfig, out_dir: Path) -> tuple[str, str, Interval]:
 MIN_PROMPTS_FOR_CI = 3
 
 
+def most_prompts_per_benchmark(cfg: DictConfig) -> int:
+    """The most prompts per benchmark evaluate may run: sized by precision (``evaluation.target_half_width``), up to
+    ``max_prompts_per_benchmark`` (:func:`size_by_precision`); otherwise ``prompts_per_benchmark``."""
+    e = cfg.evaluation
+    n = int(e.prompts_per_benchmark)
+    if e.get("target_half_width") is not None:
+        n = max(n, int(e.get("max_prompts_per_benchmark") or n))
+    return n
+
+
 def size_by_precision(cfg: DictConfig, progress, console, settings: RunSettings | None = None) -> dict:
     """Evaluate in rounds: ``evaluation.prompts_per_benchmark`` prompts per benchmark first, then
     ``round_prompts`` more a round (records of earlier rounds are kept), until the headline CI's
@@ -151,7 +162,7 @@ def size_by_precision(cfg: DictConfig, progress, console, settings: RunSettings 
     out_dir = stage_dir(cfg.paths.output_dir, cfg.pipeline.name, "evaluate")
     target = float(e.target_half_width)
     n = int(e.prompts_per_benchmark)
-    top = max(n, int(e.get("max_prompts_per_benchmark") or n))
+    top = most_prompts_per_benchmark(cfg)
     step = max(1, int(e.get("round_prompts") or 2))
     least = max(MIN_PROMPTS_FOR_CI, int(e.get("min_prompts_per_benchmark") or 0))
     budget_s = 60 * float(e.time_budget_min) if e.get("time_budget_min") else math.inf

@@ -240,13 +240,14 @@ def step_table(records: pd.DataFrame, replays: dict[str, list[Replayed]],
     its records' ``turns``; a replay's milliseconds are ``ar``'s per token times its t(1) units, as in
     :func:`headroom`. Fewer tokens per step at as many rows is the drafts' or the cut's fault; more milliseconds
     per step, the turn's."""
-    ar_ms = 1000 * float((records["wall_s"] - records["prefill_s"]).sum() / records["output"].map(len).sum())
+    tokens = records["output"].map(len).sum()
+    ar_ms = 1000 * float((records["wall_s"] - records["prefill_s"]).sum() / tokens)
     rows = [{"policy": "ar (measured)", "tokens / step": 1.0, "rows / step": 0.0, "ms / step": ar_ms,
              "verify ms / step": ar_ms, "other ms / step": 0.0}]
     for policy, runs in replays.items():
         steps = sum(r.steps for r in runs)
         ms = ar_ms * sum(r.cost for r in runs) / steps
-        rows.append({"policy": policy, "tokens / step": records["output"].map(len).sum() / steps,
+        rows.append({"policy": policy, "tokens / step": tokens / steps,
                      "rows / step": sum(r.rows for r in runs) / steps, "ms / step": ms, "verify ms / step": ms,
                      "other ms / step": 0.0})
     for name, rec in (decoders or {}).items():

@@ -29,14 +29,14 @@ from .collect import run_collect
 from .collected import pair_settings
 from .common import fold_intervals, pair_spec, print_table
 from .distill import run_distill
-from .evaluate import run_evaluate
+from .evaluate import most_prompts_per_benchmark, run_evaluate
 from .evaluate_scope import eval_pairs, evaluated_methods, method_prompts
 from .fit import run_fit
 from .parallel import one_thread_if_forking
 from .report import make_figures, make_tables
 from ..devices import now
 
-__all__ = ["run_all", "work_plan", "evaluate_budget_min", "evaluate_prompts_planned", "auto_experiment", "AUTO_EXPERIMENTS"]
+__all__ = ["run_all", "work_plan", "evaluate_budget_min", "auto_experiment", "AUTO_EXPERIMENTS"]
 
 # `make all`'s default (experiment=auto): the cpu experiment on the engine whose step is faster here
 AUTO_EXPERIMENTS = {"torch": "cpu", "llama_cpp": "cpu_llama"}
@@ -62,19 +62,11 @@ def _pair_weight(cfg: DictConfig, pair: str) -> float:
         return 1.0
 
 
-def evaluate_prompts_planned(e: DictConfig) -> int:
-    """Prompts per benchmark the bar plans evaluate for: the most it may run. Sized by precision, rounds go on
-    to ``max_prompts_per_benchmark`` unless the CI or the time budget stops them first, and the bar then jumps
-    to the stage's end; planning only the first round left it at 97-100% through every later round."""
-    n = int(e.evaluation.prompts_per_benchmark)
-    if e.evaluation.get("target_half_width") is not None:
-        n = max(n, int(e.evaluation.get("max_prompts_per_benchmark") or n))
-    return n
-
-
 def _generations_per_pair(e: DictConfig) -> int:
-    """The (prompt, method) generations evaluate may run for one pair over every benchmark."""
-    n = evaluate_prompts_planned(e)
+    """The (prompt, method) generations evaluate may run for one pair over every benchmark: the bar plans for the
+    most prompts its precision rounds may reach and jumps to the stage's end where the CI or the time budget stops
+    them sooner (planning only the first round left it at 97-100% through every later round)."""
+    n = most_prompts_per_benchmark(e)
     per_benchmark = sum(len(method_prompts(e, m, list(range(n)))) for m in evaluated_methods(e))
     return len(e.evaluation.benchmarks) * per_benchmark
 
@@ -143,7 +135,7 @@ def run_all(cfgs: dict[str, DictConfig]) -> dict[str, float]:
         console.print(f"evaluate: {minutes:.0f} of the {p.time_budget_min:g}-min budget left; rounds of "
                       f"{e.evaluation.round_prompts} prompt(s) per benchmark from {e.evaluation.prompts_per_benchmark} until the "
                       f"headline CI half-width is at most {e.evaluation.target_half_width:g}x (the bar plans for "
-                      f"{evaluate_prompts_planned(e)} a benchmark, the most it may run, and jumps ahead where it stops sooner)")
+                      f"{most_prompts_per_benchmark(e)} a benchmark, the most it may run, and jumps ahead where it stops sooner)")
     stage("evaluate", lambda: run_evaluate(e, progress=per_unit("evaluate", eval_units)))
     exp_dir = stage_dir(e.paths.output_dir, e.pipeline.name, "report").parent
     written: list[Path] = []
